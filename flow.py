@@ -1,0 +1,76 @@
+"""flow.py -- rectified flow in a page: interpolation, time sampling, loss, Euler sampler, CFG.
+
+Check each line against the equations (Liu et al. 2022, "Flow Straight and Fast"; Esser et al.
+2024, SD3, for the logit-normal time distribution):
+
+    t = 0 is data, t = 1 is noise:   z_t = (1 - t) x0 + t eps,   eps ~ N(0, I)
+    target velocity:                 v* = dz_t/dt = eps - x0
+    loss:                            E_t,eps || v_theta(z_t, c, t) - v* ||^2
+    sampling:                        integrate dx/dt = v from t = 1 to t = 0:  x <- x + (t_next - t) v
+    classifier-free guidance:        v = v_u + w (v_c - v_u)          (Ho & Salimans 2022)
+
+Because the learned paths are close to straight, a handful of Euler steps already lands near the
+data: README reports 8-step against 50-step caption accuracy.
+"""
+import torch
+
+
+def sample_t(n, dist="logit-normal", generator=None, device="cpu"):
+    """Training times in (0, 1): uniform, or logit-normal t = sigmoid(n), n ~ N(0, 1) (SD3)."""
+    if dist == "uniform":
+        return torch.rand(n, generator=generator, device=device)
+    return torch.sigmoid(torch.randn(n, generator=generator, device=device))
+
+
+def interpolate(x0, eps, t):
+    """z_t = (1 - t) x0 + t eps, with t broadcast over (B, C, H, W)."""
+    t = t.view(-1, *([1] * (x0.dim() - 1)))
+    return (1 - t) * x0 + t * eps
+
+
+def flow_loss(model, x0, text, mask, t_dist="logit-normal", generator=None):
+    """-> (mean loss, t (B,), per-sample loss (B,)) for one batch of clean inputs x0."""
+    t = sample_t(x0.shape[0], t_dist, generator, x0.device)
+    eps = torch.randn(x0.shape, generator=generator, device=x0.device)
+    v = model(interpolate(x0, eps, t), t, text, mask)
+    per_sample = ((v.float() - (eps - x0)) ** 2).mean(dim=tuple(range(1, x0.dim())))
+    return per_sample.mean(), t, per_sample
+
+
+def loss_per_bin(t, per_sample, bins=4):
+    """Mean loss in each of `bins` equal t-intervals (None where a bin is empty), for logging."""
+    idx = (t * bins).long().clamp(max=bins - 1)
+    return [per_sample[idx == b].mean().item() if (idx == b).any() else None for b in range(bins)]
+
+
+@torch.no_grad()
+def euler(velocity, x, steps):
+    """Integrate dx/dt = velocity(x, t) from t = 1 (noise) to t = 0 (data) in `steps` Euler steps."""
+    ts = torch.linspace(1, 0, steps + 1, device=x.device)
+    for t, t_next in zip(ts[:-1], ts[1:]):
+        x = x + (t_next - t) * velocity(x, t.expand(x.shape[0]))
+    return x
+
+
+def cfg_velocity(model, text, mask, null_text, null_mask, w):
+    """Guided velocity field: conditional and unconditional halves in one batched forward."""
+    def velocity(x, t):
+        both = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([text, null_text]),
+                     torch.cat([mask, null_mask])).float()
+        v_c, v_u = both.chunk(2)
+        return v_u + w * (v_c - v_u)
+    return velocity
+
+
+def null_caption(text, mask):
+    """The 'no caption' input: all-zero token states with an all-False mask (same shapes)."""
+    return torch.zeros_like(text), torch.zeros_like(mask)
+
+
+@torch.no_grad()
+def generate(model, encode, captions, steps=50, cfg=4.0, seed=0, shape=(3, 32, 32), device="cpu"):
+    """Captions -> samples (B, C, H, W) at t = 0, from fixed-seed noise (same seed, same pictures)."""
+    text, mask, _ = encode(captions)
+    null_text, null_mask = null_caption(text, mask)
+    noise = torch.randn(len(captions), *shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    return euler(cfg_velocity(model, text, mask, null_text, null_mask, cfg), noise, steps)

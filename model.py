@@ -1,0 +1,190 @@
+"""model.py -- the MM-DiT: a text-conditioned Diffusion Transformer with two token streams.
+
+What it teaches, top to bottom:
+  * patchify: an image (B, C, H, W) becomes N = (H/p)(W/p) tokens (B, N, D) + learned positions;
+  * conditioning: t~ = MLP(sinusoidal(t)) + Linear(masked mean of the text tokens) drives every
+    adaLN (LayerNorm, then a scale and shift computed from t~; zero-initialised, DiT's adaLN-Zero);
+  * dual streams (SD3's MM-DiT): text and image tokens keep separate weights but meet in ONE joint
+    attention over [text; image], with QK-RMSNorm for stability and the text padding masked;
+  * attention written out (`--attn manual`, materialises the (N+L)^2 score matrix) next to
+    `F.scaled_dot_product_attention` (`--attn sdpa`): same numbers, very different memory;
+  * the zero-initialised output layer makes the untrained network predict exactly zero velocity.
+
+Block layout (the seed's design table): per stream h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K)
+-> joint attention -> output Linear -> adaLN -> SwiGLU, then one ungated residual s <- s + h.
+The text stream of the last layer stops after K, V (its output would never be used: SD3 does the
+same), which also keeps every parameter in the graph for DDP.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# -----------------------------------------------------------------------------------------------
+# Small pieces
+# -----------------------------------------------------------------------------------------------
+def modulate(x, shift, scale):
+    """adaLN: x (B, N, D) scaled and shifted per sample by (B, D) vectors."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def timestep_embedding(t, dim, max_period=10000):
+    """Sinusoidal features of t in [0, 1] (scaled by 1000 like DiT's integer steps) -> (B, dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
+    args = 1000 * t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def sincos_2d(n_side, dim):
+    """Fixed 2-D sine-cosine table (n_side^2, dim), used to initialise the learned positions."""
+    y, x = torch.meshgrid(torch.arange(n_side), torch.arange(n_side), indexing="ij")
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4) / (dim // 4))
+    parts = [f(c.flatten()[:, None].float() * omega[None]) for c in (x, y) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): W2 (silu(x W1) * x W3), hidden = 2/3 * 4D keeps params ~ a 4x MLP."""
+
+    def __init__(self, dim, hidden=None):
+        super().__init__()
+        hidden = hidden or 8 * ((int(2 * 4 * dim / 3) + 7) // 8)
+        self.w13 = nn.Linear(dim, 2 * hidden)  # W1 and W3 in one matmul
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
+
+
+# -----------------------------------------------------------------------------------------------
+# Attention: manual and SDPA side by side
+# -----------------------------------------------------------------------------------------------
+def attention(q, k, v, keep, impl="sdpa"):
+    """q, k, v (B, H, N, d); keep (B, N) bool = which keys may be attended -> (B, H, N, d)."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, N, N): the memory hog
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+# -----------------------------------------------------------------------------------------------
+# One stream's weights, and the dual-stream block
+# -----------------------------------------------------------------------------------------------
+class Stream(nn.Module):
+    """Per-stream weights of one layer: adaLN, QKV, QK-RMSNorm, and (unless pre_only) out + MLP."""
+
+    def __init__(self, dim, heads, pre_only=False):
+        super().__init__()
+        self.heads, self.pre_only = heads, pre_only
+        self.ada = nn.Linear(dim, (2 if pre_only else 4) * dim)  # shift1, scale1[, shift2, scale2]
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = nn.RMSNorm(dim // heads, eps=1e-6)
+        self.k_norm = nn.RMSNorm(dim // heads, eps=1e-6)
+        if not pre_only:
+            self.proj = nn.Linear(dim, dim)
+            self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+            self.mlp = SwiGLU(dim)
+
+    def qkv_heads(self, s, mod):
+        """s (B, N, D) -> q, k, v each (B, H, N, D/H), with RMS-normalised q and k."""
+        B, N, D = s.shape
+        shift, scale = mod[0], mod[1]
+        q, k, v = self.qkv(modulate(self.norm1(s), shift, scale)).view(B, N, 3, self.heads, -1).unbind(2)
+        return self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+
+    def post(self, o, mod):
+        """Attention output (B, N, D) -> output Linear -> adaLN -> SwiGLU."""
+        return self.mlp(modulate(self.norm2(self.proj(o)), mod[2], mod[3]))
+
+
+class Block(nn.Module):
+    """Dual-stream MM-DiT layer: per-stream weights, one joint attention over [text; image]."""
+
+    def __init__(self, dim, heads, last=False, attn="sdpa"):
+        super().__init__()
+        self.attn = attn
+        self.x = Stream(dim, heads)                # image stream
+        self.c = Stream(dim, heads, pre_only=last)  # text stream
+
+    def forward(self, x, c, mask, cond):
+        """x (B, N, D) image, c (B, L, D) text, mask (B, L) bool, cond (B, D) = silu(t~)."""
+        mx, mc = self.x.ada(cond).chunk(4, -1), self.c.ada(cond).chunk(2 if self.c.pre_only else 4, -1)
+        qx, kx, vx = self.x.qkv_heads(x, mx)
+        qc, kc, vc = self.c.qkv_heads(c, mc)
+        keep = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)  # (B, L + N)
+        o = attention(torch.cat([qc, qx], 2), torch.cat([kc, kx], 2), torch.cat([vc, vx], 2), keep, self.attn)
+        o = o.transpose(1, 2).flatten(2)  # (B, L + N, D)
+        oc, ox = o.split([c.shape[1], x.shape[1]], dim=1)
+        x = x + self.x.post(ox, mx)  # the one ungated residual per stream
+        c = None if self.c.pre_only else c + self.c.post(oc, mc)
+        return x, c
+
+
+# -----------------------------------------------------------------------------------------------
+# The whole model
+# -----------------------------------------------------------------------------------------------
+class DiT(nn.Module):
+    """(z_t (B, C, H, W), t (B,), text (B, L, D_text), mask (B, L)) -> velocity (B, C, H, W)."""
+
+    def __init__(self, in_channels=3, image_size=32, patch=4, width=256, depth=6, heads=4,
+                 text_dim=384, attn="sdpa"):
+        super().__init__()
+        assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
+        self.C, self.p, self.n_side = in_channels, patch, image_size // patch
+        self.patch_embed = nn.Conv2d(in_channels, width, kernel_size=patch, stride=patch)
+        self.pos = nn.Parameter(sincos_2d(self.n_side, width)[None])  # learned, sin-cos start
+        self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
+        self.text_in = nn.Linear(text_dim, width)   # token states -> the text stream
+        self.pool_in = nn.Linear(text_dim, width)   # pooled caption -> the conditioning vector
+        self.blocks = nn.ModuleList([Block(width, heads, last=(i == depth - 1), attn=attn) for i in range(depth)])
+        self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
+        self.final_ada = nn.Linear(width, 2 * width)
+        self.final = nn.Linear(width, patch * patch * in_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        """Xavier for Linear layers, then all zero-inits in one place (adaLN-Zero, DiT sec. 3.2)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.normal_(self.t_mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_mlp[2].weight, std=0.02)
+        for ada in [b.x.ada for b in self.blocks] + [b.c.ada for b in self.blocks] + [self.final_ada]:
+            nn.init.zeros_(ada.weight)  # every adaLN starts as plain LayerNorm (scale 1, shift 0)
+            nn.init.zeros_(ada.bias)
+        nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
+        nn.init.zeros_(self.final.bias)
+
+    def set_attn(self, impl):
+        """Switch every block between 'manual' and 'sdpa' attention (weights unchanged)."""
+        for b in self.blocks:
+            b.attn = impl
+
+    def unpatchify(self, x):
+        """(B, N, p*p*C) -> (B, C, H, W)."""
+        B, n, p, C = x.shape[0], self.n_side, self.p, self.C
+        x = x.view(B, n, n, p, p, C).permute(0, 5, 1, 3, 2, 4)  # (B, C, n, p, n, p)
+        return x.reshape(B, C, n * p, n * p)
+
+    def forward(self, x, t, text, mask):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos  # (B, N, D)
+        c = self.text_in(text)                                           # (B, L, D)
+        m = mask[..., None].to(text.dtype)
+        pooled = (text * m).sum(1) / m.sum(1).clamp(min=1)               # (B, D_text) masked mean
+        cond = F.silu(self.t_mlp(timestep_embedding(t, 256)) + self.pool_in(pooled))  # (B, D)
+        for block in self.blocks:
+            x, c = block(x, c, mask, cond)
+        shift, scale = self.final_ada(cond).chunk(2, dim=-1)
+        return self.unpatchify(self.final(modulate(self.final_norm(x), shift, scale)))
+
+
+def count_params(model):
+    """Total parameter count (the MoE issue adds the active, per-token count)."""
+    return sum(p.numel() for p in model.parameters())

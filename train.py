@@ -1,0 +1,254 @@
+"""train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
+
+Reads in execution order: flags -> device -> data, frozen text encoder, model, EMA, optimiser,
+schedule -> (resume) -> the loop (batch -> encode captions -> drop 10% of them -> flow loss ->
+AdamW step -> EMA) with logging, sample grids and atomic checkpoints -> final judged accuracy.
+
+Everything lives in functions and runs only under __main__, so the tests (and later profile.py)
+reuse the very same parser and step. Resume is exact: the checkpoint holds model, EMA, optimiser,
+schedule, step, flags, every RNG state and the data position (epoch, batch within the epoch); the
+data order is a pure function of (seed, epoch, rank, worker), so skipping the consumed batches of
+the current epoch puts the stream exactly where it was.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import time
+
+import torch
+
+import data
+import flow
+from model import DiT, count_params
+
+
+# -----------------------------------------------------------------------------------------------
+# Flags
+# -----------------------------------------------------------------------------------------------
+def get_parser():
+    p = argparse.ArgumentParser(description="Train a text-to-image MM-DiT with rectified flow.")
+    a = p.add_argument
+    a("--data", default=data.BUILTIN, help="folder of WebDataset .tar shards, comma-separated .tar paths, "
+      "or 'builtin' (captioned shapes, generated on first use)")
+    a("--text-encoder", default="minilm", help="'minilm' (offline, pip package) or a CLIP hub id / local folder")
+    a("--vae", default="none", help="'none' = train on pixels (the latent path is a later issue)")
+    a("--image-size", type=int, default=32, help="training resolution in pixels")
+    a("--width", type=int, default=192, help="transformer width D")
+    a("--depth", type=int, default=4, help="number of dual-stream layers")
+    a("--heads", type=int, default=4, help="attention heads (width must divide by it)")
+    a("--patch", type=int, default=4, help="patch size p: image tokens N = (image_size / p)^2")
+    a("--attn", default="sdpa", choices=["manual", "sdpa"], help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
+    a("--batch-size", type=int, default=64, help="images per step (per rank)")
+    a("--steps", type=int, default=2000, help="optimiser steps")
+    a("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    a("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay")
+    a("--t-dist", default="logit-normal", choices=["uniform", "logit-normal"], help="training time distribution")
+    a("--cfg-drop", type=float, default=0.1, help="probability of dropping a caption (for classifier-free guidance)")
+    a("--ema", type=float, default=0.995, help="EMA decay of the weights used for sampling")
+    a("--precision", default=None, choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
+    a("--compile", action="store_true", help="torch.compile the training forward/backward")
+    a("--seed", type=int, default=0, help="seed for data order, noise, times and caption drop")
+    a("--workers", type=int, default=1, help="data-loader worker processes")
+    a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, samples/")
+    a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt")
+    a("--log-every", type=int, default=10, help="steps between log.jsonl lines")
+    a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
+    a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
+    a("--cfg", type=float, default=3.0, help="guidance scale w for samples and the final evaluation")
+    a("--sample-steps", type=int, default=25, help="Euler steps for samples and the final evaluation")
+    a("--eval-n", type=int, default=2, help="final evaluation: samples per held-out colour x shape x position (0 = skip)")
+    return p
+
+
+def get_args(argv=None):
+    p = get_parser()
+    args = p.parse_args(argv)
+    if args.image_size % args.patch:
+        ok = [q for q in (1, 2, 4, 8, 16) if args.image_size % q == 0]
+        p.error(f"--patch {args.patch} does not divide --image-size {args.image_size}; use one of {ok}")
+    if args.width % args.heads or (args.width // args.heads) % 2 or args.width % 4:
+        p.error(f"--width {args.width} must be a multiple of 4 and of --heads {args.heads} with an even head size")
+    if not 0 <= args.cfg_drop < 1:
+        p.error("--cfg-drop must be in [0, 1)")
+    if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
+        p.error(f"--resume: no checkpoint at {args.out}/ckpt.pt; drop --resume to start fresh")
+    return args
+
+
+# -----------------------------------------------------------------------------------------------
+# Set-up
+# -----------------------------------------------------------------------------------------------
+def setup(args):
+    """Device, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop works on."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.precision is None:
+        args.precision = "bf16" if dev == "cuda" else "fp32"
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    data.load_vae(args.vae)
+    encoder = data.TextEncoder(args.text_encoder, device=dev)
+    config = dict(in_channels=3, image_size=args.image_size, patch=args.patch, width=args.width,
+                  depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn)
+    model = DiT(**config).to(dev)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    try:  # fused AdamW: one kernel for the whole update where this torch build has it
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def lr_lambda(step):  # linear warm-up, then cosine to zero
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    gen = torch.Generator(dev).manual_seed(args.seed)  # noise, t and caption drop: saved for resume
+    fwd = torch.compile(model) if args.compile else model  # EMA, samples, ckpts use the plain module
+    return dict(dev=dev, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
+                sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped=0)
+
+
+# -----------------------------------------------------------------------------------------------
+# One training step
+# -----------------------------------------------------------------------------------------------
+def drop_captions(text, mask, p, gen):
+    """Replace each caption by the null caption (zeros, all-False mask) with probability p."""
+    keep = torch.rand(text.shape[0], generator=gen, device=text.device) >= p
+    return text * keep[:, None, None], mask & keep[:, None]
+
+
+def train_step(S, args, x0, text, mask):
+    """Flow loss -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA. Returns stats for logging."""
+    text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"])
+    with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"])
+    S["opt"].zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
+    S["opt"].step()
+    S["sched"].step()
+    S["step"] += 1
+    decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
+    with torch.no_grad():
+        for pe, pm in zip(S["ema"].parameters(), S["model"].parameters()):
+            pe.lerp_(pm, 1 - decay)
+    return dict(loss=loss.item(), t=t, per_sample=per_sample.detach(), grad_norm=grad_norm.item())
+
+
+def batches(args, S, shards):
+    """Endless (image, caption) batches, starting at the saved data position; updates it."""
+    skipped_before = S["skipped"]
+    while True:
+        per_worker = {}
+        for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed,
+                                               S["epoch"], workers=args.workers)):
+            if i < S["batch_in_epoch"]:  # resume: these were consumed before the checkpoint
+                continue
+            per_worker[b["worker"]] = b["skipped"]
+            S["batch_in_epoch"], S["skipped"] = i + 1, skipped_before + sum(per_worker.values())
+            yield b["image"], b["caption"]
+        skipped_before = S["skipped"]
+        S["epoch"], S["batch_in_epoch"] = S["epoch"] + 1, 0
+
+
+# -----------------------------------------------------------------------------------------------
+# Checkpoints (atomic) and samples
+# -----------------------------------------------------------------------------------------------
+def save_checkpoint(S, args):
+    ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=S["opt"].state_dict(),
+                sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
+                rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
+                data=dict(epoch=S["epoch"], batch_in_epoch=S["batch_in_epoch"], skipped=S["skipped"]))
+    path = os.path.join(args.out, "ckpt.pt")
+    torch.save(ckpt, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a crash mid-write never leaves a broken ckpt.pt
+
+
+def load_checkpoint(S, args):
+    ckpt = torch.load(os.path.join(args.out, "ckpt.pt"), map_location=S["dev"], weights_only=True)
+    for k in ("model", "ema", "opt", "sched"):
+        S[k].load_state_dict(ckpt[k])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    S["gen"].set_state(ckpt["rng"]["gen"])
+    S["step"] = ckpt["step"]
+    S.update(ckpt["data"])
+
+
+def sample_grid(S, args, path):
+    """EMA samples of every held-out colour x shape x position (fixed noise) -> PNG grid, one row
+    per colour; returns the judge's accuracy on them (a cheap learning curve for log.jsonl)."""
+    prompts = data.heldout_prompts(1)
+    x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
+                      seed=1234, shape=(3, args.image_size, args.image_size), device=S["dev"])
+    images = [data.to_pil(im) for im in x]
+    data.save_grid(images, path, nrow=len(data.SHAPES) * len(data.POSITIONS))
+    return data.grade(images, [a for _, a in prompts])
+
+
+# -----------------------------------------------------------------------------------------------
+# The loop
+# -----------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = get_args(argv)
+    os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
+    shards = data.resolve_shards(args.data, args.image_size)
+    S = setup(args)
+    if args.resume:
+        load_checkpoint(S, args)
+        print(f"resumed from {args.out}/ckpt.pt at step {S['step']}")
+    with open(os.path.join(args.out, "args.json"), "w") as f:
+        json.dump(vars(args), f, indent=1)
+    print(f"model: {count_params(S['model']) / 1e6:.2f}M parameters | text encoder {args.text_encoder} "
+          f"(dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}")
+    from tqdm import tqdm
+    bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True)
+    log = open(os.path.join(args.out, "log.jsonl"), "a")
+    t_enc = t_total = 0.0
+    n_seen, t_window = 0, time.time()
+    for x0, captions in batches(args, S, shards):
+        if S["step"] >= args.steps:
+            break
+        t0 = time.perf_counter()
+        text, mask, _ = S["encoder"](captions)  # cached per distinct caption
+        t1 = time.perf_counter()
+        st = train_step(S, args, x0.to(S["dev"], non_blocking=True), text, mask)
+        t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
+        n_seen += x0.shape[0]
+        if S["step"] % args.log_every == 0 or S["step"] == args.steps:
+            ips = n_seen / (time.time() - t_window)
+            n_seen, t_window = 0, time.time()
+            rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
+                       lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"], img_per_s=ips,
+                       text_encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"])
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{st['loss']:.4f}", img_s=f"{ips:.0f}")
+        bar.update(1)
+        if args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
+            acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
+            log.write(json.dumps(dict(step=S["step"], sample_acc=acc)) + "\n")
+        if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
+            save_checkpoint(S, args)
+    bar.close()
+    print(f"text encoder share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | skipped samples: {S['skipped']}")
+    sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
+    if args.eval_n:
+        prompts = data.heldout_prompts(args.eval_n)
+        x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
+                          seed=args.seed, shape=(3, args.image_size, args.image_size), device=S["dev"])
+        acc = data.grade([data.to_pil(im) for im in x], [a for _, a in prompts])
+        log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
+        print(f"caption accuracy of EMA samples ({len(prompts)} held-out prompts, {args.sample_steps} steps, "
+              f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
+    log.close()
+    return S
+
+
+if __name__ == "__main__":
+    main()
