@@ -344,14 +344,14 @@ class TextEncoder:
         return h, m, pooled
 
     def __call__(self, captions):
-        todo = list(dict.fromkeys(c for c in captions if c not in self.cache))
-        if todo:
-            h, m, pooled = self._encode(todo)
-            for i, c in enumerate(todo):
-                if len(self.cache) < self.cache_size:
-                    self.cache[c] = (h[i, m[i]], pooled[i])  # keep only the real tokens
-                else:  # cache full (web-scale captions rarely repeat): use the fresh result once
-                    return self._encode(list(captions))
+        for c in dict.fromkeys(captions):
+            if c in self.cache:
+                continue
+            if len(self.cache) >= self.cache_size:  # web-scale captions rarely repeat: one batched pass
+                return self._encode(list(captions))
+            # alone, so its embedding never depends on which captions shared its batch (exact resume)
+            h, m, pooled = self._encode([c])
+            self.cache[c] = (h[0, m[0]], pooled[0])  # keep only the real tokens
         L = max(self.cache[c][0].shape[0] for c in captions)  # pad only to this batch's longest
         tokens = torch.zeros(len(captions), L, self.dim, device=self.device)
         mask = torch.zeros(len(captions), L, dtype=torch.bool, device=self.device)
@@ -370,7 +370,7 @@ def load_vae(name):
 
 if __name__ == "__main__":
     shards = resolve_shards(BUILTIN, 32)
-    print(f"{len(shards)} shards; judge on the first 2000 samples:")
+    print(f"{len(shards)} shards; judge on the images of the first two shards:")
     imgs, attrs = [], []
     for s in wds.tarfile_samples({"url": u} for u in shards[:2]):
         imgs.append(Image.open(io.BytesIO(s["png"])))

@@ -154,11 +154,16 @@ class DiT(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
                 nn.init.zeros_(m.bias)
+        w = self.patch_embed.weight.data  # the patch embedding is a Linear on flattened patches
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.t_mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_mlp[2].weight, std=0.02)
         for ada in [b.x.ada for b in self.blocks] + [b.c.ada for b in self.blocks] + [self.final_ada]:
             nn.init.zeros_(ada.weight)  # every adaLN starts as plain LayerNorm (scale 1, shift 0)
             nn.init.zeros_(ada.bias)
+        for s in [b.x for b in self.blocks] + [b.c for b in self.blocks if not b.c.pre_only]:
+            nn.init.zeros_(s.mlp.w2.weight)  # every residual branch starts at zero: blocks = identity
         nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
         nn.init.zeros_(self.final.bias)
 

@@ -1,0 +1,293 @@
+"""test_all.py -- the CPU test suite: `pytest test_all.py`.
+
+Each test checks a claim the code or README makes and can fail: attention implementations agree,
+the untrained model predicts zero, the flow's signs and the sampler are right, bad data is skipped
+and counted, the judge can be trusted, training learns, and resume is bit-exact.
+"""
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+import data
+import flow
+import train
+from model import DiT
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "--workers", "0",
+        "--sample-every", "0", "--eval-n", "0", "--sample-steps", "4", "--log-every", "1"]
+
+
+def tiny_model(**kw):
+    torch.manual_seed(0)
+    return DiT(**dict(dict(image_size=16, patch=4, width=32, depth=2, heads=2, text_dim=24), **kw))
+
+
+def randomize(model):
+    """Give every weight (including the zero-inits) random values, as after some training."""
+    torch.manual_seed(1)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def toy_inputs(B=3, L=5, D_text=24, size=16):
+    g = torch.Generator().manual_seed(2)
+    x, t = torch.randn(B, 3, size, size, generator=g), torch.rand(B, generator=g)
+    text = torch.randn(B, L, D_text, generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 2:] = False   # a short caption
+    mask[2, :] = False    # the null caption
+    return x, t, text, mask
+
+
+# -----------------------------------------------------------------------------------------------
+# model.py
+# -----------------------------------------------------------------------------------------------
+def test_manual_and_sdpa_attention_agree_in_outputs_and_gradients():
+    m = randomize(tiny_model())
+    inputs = toy_inputs()
+    outs, grads = {}, {}
+    for impl in ("manual", "sdpa"):
+        m.set_attn(impl)
+        m.zero_grad()
+        out = m(*inputs)
+        (out ** 2).sum().backward()
+        outs[impl], grads[impl] = out.detach(), [p.grad.clone() for p in m.parameters()]
+    assert torch.allclose(outs["manual"], outs["sdpa"], atol=1e-5, rtol=1e-4)
+    for gm, gs in zip(grads["manual"], grads["sdpa"]):
+        assert torch.allclose(gm, gs, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("impl", ["manual", "sdpa"])
+def test_padding_tokens_are_ignored(impl):
+    m = randomize(tiny_model(attn=impl))
+    x, t, text, mask = toy_inputs()
+    padded = torch.cat([text, torch.randn(3, 4, 24)], 1)  # 4 more masked tokens of garbage
+    out = m(x, t, padded, torch.cat([mask, torch.zeros(3, 4, dtype=torch.bool)], 1))
+    assert torch.allclose(m(x, t, text, mask), out, atol=1e-5)
+
+
+def test_untrained_model_predicts_exactly_zero_velocity():
+    v = tiny_model()(*toy_inputs())
+    assert v.shape == (3, 3, 16, 16) and torch.equal(v, torch.zeros_like(v))
+
+
+# -----------------------------------------------------------------------------------------------
+# flow.py
+# -----------------------------------------------------------------------------------------------
+def test_flow_endpoints_and_target_sign():
+    x0, eps = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)
+    assert torch.equal(flow.interpolate(x0, eps, torch.zeros(4)), x0)   # t = 0 is data
+    assert torch.equal(flow.interpolate(x0, eps, torch.ones(4)), eps)   # t = 1 is noise
+    t, h = torch.full((4,), 0.3), 1e-3
+    dz = (flow.interpolate(x0, eps, t + h) - flow.interpolate(x0, eps, t - h)) / (2 * h)
+    assert torch.allclose(dz, eps - x0, atol=1e-3)  # the target velocity is dz/dt = eps - x0
+    # an oracle that knows x0 predicts (z_t - x0) / t = eps - x0 and gets zero loss
+    oracle = lambda z, t, text, mask: (z - x0) / t.view(-1, 1, 1, 1)
+    loss, _, _ = flow.flow_loss(oracle, x0, None, None)
+    assert loss.item() < 1e-8
+    wrong = lambda z, t, text, mask: -(z - x0) / t.view(-1, 1, 1, 1)   # the opposite sign
+    assert flow.flow_loss(wrong, x0, None, None)[0].item() > 1.0
+
+
+def test_time_distributions():
+    g = torch.Generator().manual_seed(0)
+    u, ln = flow.sample_t(20000, "uniform", g), flow.sample_t(20000, "logit-normal", g)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs(u.std() - 0.2887) < 0.01
+    assert abs(ln.mean() - 0.5) < 0.01 and ln.std() < 0.23  # concentrated around the middle
+    assert torch.allclose(torch.logit(ln).std(), torch.tensor(1.0), atol=0.03)
+
+
+def test_euler_with_the_exact_field_maps_gaussian_noise_to_the_data_gaussian():
+    mu, sigma = 2.0, 0.5  # data x0 ~ N(mu, sigma^2); noise N(0, 1)
+
+    def exact_velocity(z, t):  # E[eps - x0 | z_t = z] for Gaussian data, in closed form
+        t = t.view(-1, 1)
+        m, s = (1 - t) * mu, torch.sqrt((1 - t) ** 2 * sigma ** 2 + t ** 2)
+        ds = (-(1 - t) * sigma ** 2 + t) / s
+        return -mu + ds / s * (z - m)
+
+    z1 = torch.randn(50000, 1, generator=torch.Generator().manual_seed(0))
+    x = flow.euler(exact_velocity, z1, steps=200)
+    assert abs(x.mean() - mu) < 0.02 and abs(x.std() - sigma) < 0.02
+    coarse = flow.euler(exact_velocity, z1, steps=2)  # too few steps is measurably off
+    assert abs(coarse.std() - sigma) > 0.05
+
+
+def test_cfg_with_w_1_is_the_conditional_prediction_and_uses_one_batched_forward():
+    m = randomize(tiny_model())
+    x, t, text, mask = toy_inputs()
+    calls = []
+    counted = lambda *a: calls.append(a[0].shape[0]) or m(*a)
+    null_text, null_mask = flow.null_caption(text, mask)
+    v = flow.cfg_velocity(counted, text, mask, null_text, null_mask, 1.0)(x, t)
+    assert calls == [6]  # conditional and unconditional halves in ONE forward of 2B
+    assert torch.allclose(v, m(x, t, text, mask), atol=1e-5)
+    v3 = flow.cfg_velocity(m, text, mask, null_text, null_mask, 3.0)(x, t)
+    vu = m(x, t, null_text, null_mask)
+    assert torch.allclose(v3, vu + 3 * (m(x, t, text, mask) - vu), atol=1e-4)
+
+
+# -----------------------------------------------------------------------------------------------
+# data.py
+# -----------------------------------------------------------------------------------------------
+def write_shard(path, samples):
+    with wds.TarWriter(path) as w:
+        for s in samples:
+            w.write(s)
+
+
+def png(color=(200, 30, 30), size=16):
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def read_all(shards, size=16, batch_size=1, **kw):
+    out = list(data.ShardStream(shards, batch_size, size, **kw))
+    return out, (out[-1]["skipped"] if out else 0)
+
+
+def test_shards_round_trip(tmp_path):
+    want = {}
+    for s in range(2):
+        samples = [{"__key__": f"{s}-{i}", "png": png((10 * i, 20 * s, 99)), "txt": f"caption {s} {i}"} for i in range(5)]
+        write_shard(str(tmp_path / f"s{s}.tar"), samples)
+        want.update({x["txt"]: (10 * i, 20 * s, 99) for i, x in enumerate(samples)})
+    got, skipped = read_all(sorted(str(p) for p in tmp_path.glob("*.tar")))
+    assert skipped == 0 and len(got) == 10
+    for b in got:
+        rgb = ((b["image"][0, :, 0, 0] + 1) * 127.5).round().tolist()
+        assert tuple(rgb) == want[b["caption"][0]]
+
+
+def test_shards_split_across_ranks_and_shuffled_deterministically(tmp_path):
+    for s in range(4):
+        write_shard(str(tmp_path / f"s{s}.tar"), [{"__key__": f"{s}-{i}", "png": png(), "txt": f"{s}-{i}"} for i in range(6)])
+    shards = sorted(str(p) for p in tmp_path.glob("*.tar"))
+    caps = lambda **kw: [c for b in read_all(shards, buffer=10, **kw)[0] for c in b["caption"]]
+    r0, r1 = caps(rank=0, world=2), caps(rank=1, world=2)
+    assert len(r0) == len(r1) == 12 and not set(r0) & set(r1)  # disjoint halves
+    assert caps(rank=0, world=2) == r0                            # same seed and epoch: same order
+    assert caps(rank=0, world=2, epoch=1) != r0                   # next epoch: new order
+
+
+def test_bad_samples_are_skipped_and_counted(tmp_path):
+    good = [{"__key__": f"g{i}", "png": png(), "txt": "ok"} for i in range(6)]
+    write_shard(str(tmp_path / "a.tar"), good[:3] + [
+        {"__key__": "bad-image", "png": b"this is not a png", "txt": "x"},
+        {"__key__": "no-caption", "png": png()}])
+    write_shard(str(tmp_path / "b.tar"), good[3:])
+    whole = open(tmp_path / "b.tar", "rb").read()
+    open(tmp_path / "c.tar", "wb").write(whole[:len(whole) // 2 + 100])  # truncated copy
+    with pytest.warns(UserWarning):
+        got, skipped = read_all([str(tmp_path / n) for n in ("a.tar", "b.tar", "c.tar")])
+    assert skipped == 3  # the bad image, the missing caption and the truncated tar
+    assert len(got) >= 6 and all(b["caption"] == ["ok"] for b in got)
+
+
+def test_judge_is_right_on_the_builtin_images(tmp_path):
+    shards = data.make_builtin(str(tmp_path / "shapes"), n_shards=2, per_shard=1000, seed=7)
+    images, attrs = [], []
+    for s in wds.tarfile_samples({"url": u} for u in shards):
+        images.append(Image.open(io.BytesIO(s["png"])))
+        attrs.append(json.loads(s["json"]))
+    acc = data.grade(images, attrs)
+    assert len(images) == 2000 and acc["all"] >= 0.98, acc
+    assert data.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
+
+
+def test_builtin_data_is_deterministic_and_captions_vary(tmp_path):
+    a = data.make_builtin(str(tmp_path / "a"), n_shards=1, per_shard=50)
+    b = data.make_builtin(str(tmp_path / "b"), n_shards=1, per_shard=50)
+    assert open(a[0], "rb").read() == open(b[0], "rb").read()
+    caps = [s["txt"] for s in wds.tarfile_samples([{"url": a[0]}])]
+    assert len({c.split()[0] for c in caps}) > 3  # several templates
+
+
+def test_text_encoder_is_frozen_cached_and_masks_padding():
+    enc = data.TextEncoder("minilm")
+    tokens, mask, pooled = enc(["a red circle in the top left", "blue square, center"])
+    assert tokens.shape[0] == 2 and tokens.shape[2] == 384 and pooled.shape == (2, 384)
+    assert mask[0].sum() > mask[1].sum() and not tokens[1][~mask[1]].any()
+    assert all(not p.requires_grad for p in enc.model.parameters())
+    again, _, _ = enc(["blue square, center"])
+    assert torch.equal(again[0], tokens[1][mask[1]]) and len(enc.cache) == 2
+    near = lambda a, b: torch.cosine_similarity(enc([a])[2], enc([b])[2]).item()
+    assert near("a red circle", "one red circle") > near("a red circle", "a blue square")
+
+
+# -----------------------------------------------------------------------------------------------
+# train.py and sample.py
+# -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def builtin16():
+    return data.resolve_shards(data.BUILTIN, 16)  # generated once into data/shapes16
+
+
+def test_short_training_run_loss_falls(tmp_path, builtin16):
+    out = str(tmp_path / "run")
+    train.main(TINY + ["--image-size", "16", "--steps", "60", "--lr", "2e-3", "--warmup", "10", "--out", out])
+    losses = [json.loads(l)["loss"] for l in open(os.path.join(out, "log.jsonl")) if '"loss"' in l]
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10
+    for f in ("ckpt.pt", "args.json", "samples/step_000060.png"):
+        assert os.path.exists(os.path.join(out, f))
+
+
+def test_resume_is_bit_identical(tmp_path, monkeypatch):
+    # 2 shards x 40 samples, 2 workers, batch 16: 4 batches an epoch, so 12 steps cross 2 epochs
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "12", "--ckpt-every", "5",
+                    "--workers", "2"]
+    train.main(flags + ["--out", str(tmp_path / "a")])  # uninterrupted
+    real_step = train.train_step
+
+    def crash_after_5(S, *a):
+        if S["step"] == 7:  # killed mid-epoch, between checkpoints: steps 6 and 7 are lost
+            raise KeyboardInterrupt
+        return real_step(S, *a)
+
+    monkeypatch.setattr(train, "train_step", crash_after_5)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(flags + ["--out", str(tmp_path / "b")])
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    assert a["step"] == b["step"] == 12 and a["data"] == b["data"] and a["data"]["epoch"] == 3
+    for k in ("model", "ema"):
+        for name in a[k]:
+            assert torch.equal(a[k][name], b[k][name]), (k, name)
+
+
+def test_sample_eval_prints_json(tmp_path, builtin16):
+    out = str(tmp_path / "run")
+    train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", out])
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(out, "ckpt.pt"), "--eval",
+                        "--eval-n", "1", "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    acc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(acc) >= {"color", "shape", "position", "all"} and acc["n"] == 90
+    assert os.path.exists(os.path.join(out, "eval_2steps.png"))
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(out, "ckpt.pt"), "--prompt", "a red circle",
+                        "--n", "2", "--steps", "2", "--out", str(tmp_path / "g.png")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and Image.open(tmp_path / "g.png").size == (2 * 16 * 2, 16 * 2)
+
+
+@pytest.mark.parametrize("argv, fix", [(["--attn", "flash"], "choose from"),
+                                       (["--patch", "3"], "use one of [1, 2, 4, 8, 16]"),
+                                       (["--width", "30", "--heads", "4"], "multiple of 4"),
+                                       (["--resume", "--out", "/nonexistent"], "drop --resume")])
+def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.get_args(argv)
+    assert e.value.code == 2 and fix in capsys.readouterr().err
