@@ -33,13 +33,14 @@ from PIL import Image, ImageDraw
 COLORS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 240),
           "yellow": (240, 220, 40), "purple": (170, 60, 220), "white": (235, 235, 235)}
 SHAPES = ["circle", "square", "triangle"]
-POSITIONS = {"top left": (0.28, 0.28), "top right": (0.72, 0.28), "center": (0.5, 0.5),
-             "bottom left": (0.28, 0.72), "bottom right": (0.72, 0.72)}  # name -> (x, y) fraction
+POSITIONS = {"top left": (0.3, 0.3), "top right": (0.7, 0.3), "center": (0.5, 0.5),
+             "bottom left": (0.3, 0.7), "bottom right": (0.7, 0.7)}  # name -> (x, y) fraction
 TEMPLATES = ["a {color} {shape} in the {pos}", "{color} {shape}, {pos}",
              "a picture of a {color} {shape} at the {pos}", "the {pos} has a {color} {shape}",
              "one {color} {shape} located in the {pos}", "a {shape} that is {color}, in the {pos}"]
 HELDOUT_TEMPLATES = ["there is a {color} {shape} in the {pos} of the image", "{pos}: {color} {shape}"]
-BUILTIN = "builtin"  # the default --data; generated on first use into data/shapes<size>/
+BUILTIN = "builtin"  # the default --data; generated on first use into data/shapes<size>-v<VERSION>/
+VERSION = 2  # bump when the generator changes, so stale shards are never reused
 
 
 def render(color, shape, pos, size=32, rng=None):
@@ -49,8 +50,8 @@ def render(color, shape, pos, size=32, rng=None):
     grey = rng.randint(0, 60)
     img = Image.new("RGB", (S, S), (grey, grey, grey))
     fx, fy = POSITIONS[pos]
-    cx, cy = (fx + rng.uniform(-0.05, 0.05)) * S, (fy + rng.uniform(-0.05, 0.05)) * S
-    r = rng.uniform(0.14, 0.21) * S  # half extent
+    cx, cy = (fx + rng.uniform(-0.03, 0.03)) * S, (fy + rng.uniform(-0.03, 0.03)) * S
+    r = rng.uniform(0.19, 0.25) * S  # half extent: big enough that corners tell square from circle
     box = [cx - r, cy - r, cx + r, cy + r]
     draw = ImageDraw.Draw(img)
     if shape == "circle":
@@ -105,7 +106,7 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
 def resolve_shards(data, image_size):
     """--data value -> sorted list of .tar paths (the built-in set is generated if missing)."""
     if data == BUILTIN:
-        return make_builtin(os.path.join("data", f"shapes{image_size}"), size=image_size)
+        return make_builtin(os.path.join("data", f"shapes{image_size}-v{VERSION}"), size=image_size)
     paths = sorted(os.path.join(data, f) for f in os.listdir(data) if f.endswith(".tar")) \
         if os.path.isdir(data) else sorted(p for p in data.split(",") if p)
     if not paths or not all(os.path.exists(p) for p in paths):
@@ -163,7 +164,7 @@ def judge(img):
              "triangle": inbox & (np.abs(xx - cx) <= rx * (yy - y0) / (y1 - y0))}
     iou = {k: (m & mask).sum() / (m | mask).sum() for k, m in ideal.items()}
     shape = max(iou, key=iou.get)
-    fx, fy = xs.mean() / W, ys.mean() / H
+    fx, fy = (x0 + x1) / 2 / W, (y0 + y1) / 2 / H  # box centre (a triangle's centroid sits low)
     position = min(POSITIONS, key=lambda k: (POSITIONS[k][0] - fx) ** 2 + (POSITIONS[k][1] - fy) ** 2)
     return dict(color=color, shape=shape, position=position)
 
