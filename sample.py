@@ -25,7 +25,7 @@ def get_args(argv=None):
     p.add_argument("--prompt", action="append", help="caption to draw (repeatable); default: a few built-in ones")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--steps", type=int, default=50, help="Euler steps from t=1 (noise) to t=0")
-    p.add_argument("--cfg", type=float, default=3.0, help="classifier-free guidance scale w (1 = no guidance)")
+    p.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale w (1 = no guidance)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same pictures)")
     p.add_argument("--out", default=None, help="PNG grid path (default: next to the checkpoint)")
     p.add_argument("--eval", action="store_true", help="grade held-out prompts with the judge; last line is JSON")

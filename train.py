@@ -42,7 +42,7 @@ def get_parser():
     a("--patch", type=int, default=4, help="patch size p: image tokens N = (image_size / p)^2")
     a("--attn", default="sdpa", choices=["manual", "sdpa"], help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
     a("--batch-size", type=int, default=64, help="images per step (per rank)")
-    a("--steps", type=int, default=2000, help="optimiser steps")
+    a("--steps", type=int, default=1500, help="optimiser steps")
     a("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     a("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay")
     a("--t-dist", default="logit-normal", choices=["uniform", "logit-normal"], help="training time distribution")
@@ -57,7 +57,7 @@ def get_parser():
     a("--log-every", type=int, default=10, help="steps between log.jsonl lines")
     a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
-    a("--cfg", type=float, default=3.0, help="guidance scale w for samples and the final evaluation")
+    a("--cfg", type=float, default=5.0, help="guidance scale w for samples and the final evaluation")
     a("--sample-steps", type=int, default=25, help="Euler steps for samples and the final evaluation")
     a("--eval-n", type=int, default=2, help="final evaluation: samples per held-out colour x shape x position (0 = skip)")
     return p
@@ -171,6 +171,9 @@ def save_checkpoint(S, args):
 
 def load_checkpoint(S, args):
     ckpt = torch.load(os.path.join(args.out, "ckpt.pt"), map_location=S["dev"], weights_only=True)
+    if ckpt["config"] != S["config"]:
+        raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S['config']}; "
+                         f"pass the original run's flags (saved in {args.out}/args.json)")
     for k in ("model", "ema", "opt", "sched"):
         S[k].load_state_dict(ckpt[k])
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -208,7 +211,7 @@ def main(argv=None):
           f"(dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}")
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True)
-    log = open(os.path.join(args.out, "log.jsonl"), "a")
+    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
     t_enc = t_total = 0.0
     n_seen, t_window = 0, time.time()
     for x0, captions in batches(args, S, shards):
