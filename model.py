@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe import MoE, SwiGLU, count_active
+
 
 # -----------------------------------------------------------------------------------------------
 # Small pieces
@@ -46,20 +48,6 @@ def sincos_2d(n_side, dim):
     return torch.cat(parts, dim=1)
 
 
-class SwiGLU(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): W2 (silu(x W1) * x W3), hidden = 2/3 * 4D keeps params ~ a 4x MLP."""
-
-    def __init__(self, dim, hidden=None):
-        super().__init__()
-        hidden = hidden or 8 * ((int(2 * 4 * dim / 3) + 7) // 8)
-        self.w13 = nn.Linear(dim, 2 * hidden)  # W1 and W3 in one matmul
-        self.w2 = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        a, b = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(a) * b)
-
-
 # -----------------------------------------------------------------------------------------------
 # Attention: manual and SDPA side by side
 # -----------------------------------------------------------------------------------------------
@@ -76,9 +64,10 @@ def attention(q, k, v, keep, impl="sdpa"):
 # One stream's weights, and the dual-stream block
 # -----------------------------------------------------------------------------------------------
 class Stream(nn.Module):
-    """Per-stream weights of one layer: adaLN, QKV, QK-RMSNorm, and (unless pre_only) out + MLP."""
+    """Per-stream weights of one layer: adaLN, QKV, QK-RMSNorm, and (unless pre_only) out + MLP.
+    `moe` (a dict of MoE arguments) makes the MLP a mixture of experts (moe.py)."""
 
-    def __init__(self, dim, heads, pre_only=False):
+    def __init__(self, dim, heads, pre_only=False, moe=None):
         super().__init__()
         self.heads, self.pre_only = heads, pre_only
         self.ada = nn.Linear(dim, (2 if pre_only else 4) * dim)  # shift1, scale1[, shift2, scale2]
@@ -89,7 +78,7 @@ class Stream(nn.Module):
         if not pre_only:
             self.proj = nn.Linear(dim, dim)
             self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-            self.mlp = SwiGLU(dim)
+            self.mlp = MoE(dim, **moe) if moe else SwiGLU(dim)
 
     def qkv_heads(self, s, mod):
         """s (B, N, D) -> q, k, v each (B, H, N, D/H), with RMS-normalised q and k."""
@@ -106,10 +95,10 @@ class Stream(nn.Module):
 class Block(nn.Module):
     """Dual-stream MM-DiT layer: per-stream weights, one joint attention over [text; image]."""
 
-    def __init__(self, dim, heads, last=False, attn="sdpa"):
+    def __init__(self, dim, heads, last=False, attn="sdpa", moe=None):
         super().__init__()
         self.attn = attn
-        self.x = Stream(dim, heads)                # image stream
+        self.x = Stream(dim, heads, moe=moe)       # image stream (its MLP is the MoE with --moe E)
         self.c = Stream(dim, heads, pre_only=last)  # text stream
 
     def forward(self, x, c, mask, cond):
@@ -133,8 +122,11 @@ class DiT(nn.Module):
     """(z_t (B, C, H, W), t (B,), text (B, L, D_text), mask (B, L)) -> velocity (B, C, H, W)."""
 
     def __init__(self, in_channels=3, image_size=32, patch=4, width=256, depth=6, heads=4,
-                 text_dim=384, attn="sdpa"):
+                 text_dim=384, attn="sdpa", moe=0, topk=2, shared_experts=2, moe_impl="sorted",
+                 expert_hidden=None):
         super().__init__()
+        moe_kw = dict(n_experts=moe, topk=topk, n_shared=shared_experts, impl=moe_impl,
+                      hidden=expert_hidden) if moe else None
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.C, self.p, self.n_side = in_channels, patch, image_size // patch
         self.patch_embed = nn.Conv2d(in_channels, width, kernel_size=patch, stride=patch)
@@ -142,7 +134,8 @@ class DiT(nn.Module):
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
         self.text_in = nn.Linear(text_dim, width)   # token states -> the text stream
         self.pool_in = nn.Linear(text_dim, width)   # pooled caption -> the conditioning vector
-        self.blocks = nn.ModuleList([Block(width, heads, last=(i == depth - 1), attn=attn) for i in range(depth)])
+        self.blocks = nn.ModuleList([Block(width, heads, last=(i == depth - 1), attn=attn, moe=moe_kw)
+                                     for i in range(depth)])
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.final_ada = nn.Linear(width, 2 * width)
         self.final = nn.Linear(width, patch * patch * in_channels)
@@ -153,7 +146,11 @@ class DiT(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for m in [m for m in self.modules() if isinstance(m, MoE)]:
+            nn.init.normal_(m.router.weight, std=0.02)  # near-uniform routing at the start
+            nn.init.zeros_(m.w2)  # every routed expert's output starts at zero too
         w = self.patch_embed.weight.data  # the patch embedding is a Linear on flattened patches
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.bias)
@@ -162,8 +159,8 @@ class DiT(nn.Module):
         for ada in [b.x.ada for b in self.blocks] + [b.c.ada for b in self.blocks] + [self.final_ada]:
             nn.init.zeros_(ada.weight)  # every adaLN starts as plain LayerNorm (scale 1, shift 0)
             nn.init.zeros_(ada.bias)
-        for s in [b.x for b in self.blocks] + [b.c for b in self.blocks if not b.c.pre_only]:
-            nn.init.zeros_(s.mlp.w2.weight)  # every residual branch starts at zero: blocks = identity
+        for mlp in [m for m in self.modules() if isinstance(m, SwiGLU)]:  # dense MLPs, shared experts
+            nn.init.zeros_(mlp.w2.weight)  # every residual branch starts at zero: blocks = identity
         nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
         nn.init.zeros_(self.final.bias)
 
@@ -171,6 +168,12 @@ class DiT(nn.Module):
         """Switch every block between 'manual' and 'sdpa' attention (weights unchanged)."""
         for b in self.blocks:
             b.attn = impl
+
+    def set_moe_impl(self, impl):
+        """Switch every MoE layer between 'loop' and 'sorted' dispatch (weights unchanged)."""
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.impl = impl
 
     def unpatchify(self, x):
         """(B, N, p*p*C) -> (B, C, H, W)."""
@@ -191,5 +194,25 @@ class DiT(nn.Module):
 
 
 def count_params(model):
-    """Total parameter count (the MoE issue adds the active, per-token count)."""
-    return sum(p.numel() for p in model.parameters())
+    """(total, active) parameter counts; active = what one image token uses (differs with --moe)."""
+    return sum(p.numel() for p in model.parameters()), count_active(model)
+
+
+# -----------------------------------------------------------------------------------------------
+# Size presets (DiT's S/B/L/XL; DiT-MoE adds "-8E2A" = 8 experts, 2 active) and their counts
+# -----------------------------------------------------------------------------------------------
+SIZES = {"S": dict(width=384, depth=12, heads=6), "B": dict(width=768, depth=12, heads=12),
+         "L": dict(width=1024, depth=24, heads=16), "XL": dict(width=1152, depth=28, heads=16)}
+
+if __name__ == "__main__":
+    # `python model.py`: parameter counts at 256 px through the SD VAE (latents 4 x 32 x 32, patch 2)
+    # with CLIP-L text (768), counted on the meta device so nothing is allocated.
+    print("| DiT-MoE name | our flags | total params | active params |\n|---|---|---|---|")
+    for name, size in SIZES.items():
+        for E in (0, 8, 16):
+            with torch.device("meta"):
+                m = DiT(in_channels=4, image_size=32, patch=2, text_dim=768, moe=E, **size)
+            total, active = count_params(m)
+            flags = f"--width {size['width']} --depth {size['depth']} --heads {size['heads']} --patch 2"
+            label = f"{name}/2" + (f"-{E}E2A" if E else " (dense)")
+            print(f"| {label} | `{flags}{f' --moe {E}' if E else ''}` | {total / 1e6:.1f}M | {active / 1e6:.1f}M |")

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from PIL import Image
 
 import data
 import flow
+import moe
 import train
-from model import DiT
+from model import DiT, count_params
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "--workers", "0",
@@ -292,3 +292,106 @@ def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys)
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
     assert e.value.code == 2 and fix in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------------------------
+# moe.py
+# -----------------------------------------------------------------------------------------------
+def test_sorted_dispatch_equals_loop_in_outputs_and_gradients_with_an_idle_expert():
+    torch.manual_seed(0)
+    m = moe.MoE(16, n_experts=4, topk=2, n_shared=1, hidden=8)
+    for p in (m.w2, m.b13, m.b2):
+        torch.nn.init.normal_(p, std=0.1)
+    with torch.no_grad():
+        m.router.weight[3] = -5.0  # x > 0 below, so expert 3 never wins: it gets no token
+    x0 = torch.rand(2, 37, 16) + 0.1
+    results = {}
+    for impl in ("loop", "sorted"):
+        m.impl = impl
+        m.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        y = m(x)
+        (y.sin().sum() + m.aux_loss).backward()
+        results[impl] = [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+    assert m.stats["load"][3] == 0 and (m.stats["load"][:3] > 0).all()
+    for a, b in zip(results["loop"], results["sorted"]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert not m.w13.grad[3].any()  # the idle expert gets no gradient
+
+
+def test_topk_weights_are_renormalised_and_distinct():
+    m = moe.MoE(16, n_experts=8, topk=3, n_shared=0, hidden=8)
+    probs, w, idx = m.route(torch.randn(50, 16))
+    assert probs.shape == (50, 8) and w.shape == idx.shape == (50, 3)
+    assert torch.allclose(w.sum(-1), torch.ones(50)) and (w[:, :-1] >= w[:, 1:]).all()
+    assert all(len(set(r)) == 3 for r in idx.tolist())
+    assert torch.equal(idx, probs.topk(3, -1).indices)
+
+
+def test_balance_loss_matches_the_formula_and_is_alpha_when_uniform():
+    import math
+    m = moe.MoE(2, n_experts=2, topk=1, n_shared=0, hidden=8, alpha=0.01)
+    x = torch.eye(2)  # token A = (1, 0), token B = (0, 1)
+    with torch.no_grad():  # logits = log p, so A has p = (0.8, 0.2) and B has p = (0.6, 0.4)
+        m.router.weight.copy_(torch.tensor([[math.log(0.8), math.log(0.6)], [math.log(0.2), math.log(0.4)]]))
+    m.route(x)  # both pick expert 0: f = (1, 0), P = (0.7, 0.3)
+    assert abs(m.aux_loss.item() - 0.01 * 2 * (1 * 0.7 + 0 * 0.3)) < 1e-6
+    with torch.no_grad():  # A: (0.6, 0.4) -> expert 0, B: (0.4, 0.6) -> expert 1: f = P = (1/2, 1/2)
+        m.router.weight.copy_(torch.tensor([[math.log(0.6), math.log(0.4)], [math.log(0.4), math.log(0.6)]]))
+    m.route(x)
+    assert abs(m.aux_loss.item() - 0.01) < 1e-6
+
+
+def test_total_and_active_parameter_counts_match_the_formula():
+    D, depth, E, k, s = 32, 2, 8, 2, 2
+    dense = tiny_model(width=D, depth=depth)
+    sparse = tiny_model(width=D, depth=depth, moe=E, topk=k, shared_experts=s)
+    H, Hd = sparse.blocks[0].x.mlp.hidden, moe.dense_hidden(D)
+    assert H == 8 * round(Hd / (k + s) / 8)
+    dense_mlp = D * 2 * Hd + 2 * Hd + Hd * D + D
+    expert_p = D * 2 * H + 2 * H + H * D + D
+    shared_p = D * 2 * s * H + 2 * s * H + s * H * D + D
+    moe_layer = D * E + E * expert_p + shared_p
+    total, active = count_params(sparse)
+    assert total == count_params(dense)[0] + depth * (moe_layer - dense_mlp)
+    assert active == total - depth * (E - k) * expert_p
+    assert count_params(dense)[0] == count_params(dense)[1]
+
+
+def test_upcycled_model_starts_equal_to_its_dense_parent():
+    dense = randomize(tiny_model())
+    sparse = tiny_model(moe=4, topk=2, shared_experts=2, expert_hidden=moe.dense_hidden(32))
+    moe.upcycle(sparse, dense.state_dict())
+    inputs = toy_inputs()
+    assert torch.allclose(sparse(*inputs), dense(*inputs), atol=1e-5)
+    experts = sparse.blocks[0].x.mlp.w13
+    assert torch.equal(experts[0], experts[3])  # identical copies; routing breaks the symmetry
+    with pytest.raises(SystemExit, match="--expert-hidden"):
+        moe.upcycle(tiny_model(moe=4), dense.state_dict())
+
+
+def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=64)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--width", "64", "--moe", "4", "--steps", "40",
+                    "--lr", "2e-3", "--warmup", "5", "--ckpt-every", "20"]
+    train.main(flags + ["--out", str(tmp_path / "a")])
+    log = [json.loads(l) for l in open(tmp_path / "a" / "log.jsonl") if '"loss"' in l]
+    losses = [r["loss"] for r in log]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert all(0 < r["balance_loss"] < 0.05 for r in log)
+    assert len(log[-1]["routing"]) == 2 and len(log[-1]["routing"][0]["load"]) == 4
+    real_step = train.train_step
+
+    def crash(S, *a):
+        if S["step"] == 25:
+            raise KeyboardInterrupt
+        return real_step(S, *a)
+
+    monkeypatch.setattr(train, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(flags + ["--out", str(tmp_path / "b")])
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name

@@ -23,6 +23,7 @@ import torch
 import data
 import flow
 from model import DiT, count_params
+from moe import balance_loss, routing_stats, upcycle
 
 
 # -----------------------------------------------------------------------------------------------
@@ -40,6 +41,12 @@ def get_parser():
     a("--depth", type=int, default=4, help="number of dual-stream layers")
     a("--heads", type=int, default=4, help="attention heads (width must divide by it)")
     a("--patch", type=int, default=4, help="patch size p: image tokens N = (image_size / p)^2")
+    a("--moe", type=int, default=0, help="experts per image-stream MLP (DiT-MoE); 0 = dense")
+    a("--topk", type=int, default=2, help="experts each image token is routed to")
+    a("--shared-experts", type=int, default=2, help="always-on shared experts per MoE layer (DiT-MoE uses 2)")
+    a("--moe-impl", default="sorted", choices=["loop", "sorted"], help="MoE dispatch: readable loop or sorted slices")
+    a("--expert-hidden", type=int, default=None, help="hidden size of each expert (default: dense / (topk + shared))")
+    a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
     a("--attn", default="sdpa", choices=["manual", "sdpa"], help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
     a("--batch-size", type=int, default=64, help="images per step (per rank)")
     a("--steps", type=int, default=1500, help="optimiser steps")
@@ -71,6 +78,10 @@ def get_args(argv=None):
         p.error(f"--patch {args.patch} does not divide --image-size {args.image_size}; use one of {ok}")
     if args.width % args.heads or (args.width // args.heads) % 2 or args.width % 4:
         p.error(f"--width {args.width} must be a multiple of 4 and of --heads {args.heads} with an even head size")
+    if args.moe and not 1 <= args.topk <= args.moe:
+        p.error(f"--topk {args.topk} must be between 1 and --moe {args.moe}")
+    if args.upcycle and not (args.moe and os.path.exists(args.upcycle)):
+        p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
     if not 0 <= args.cfg_drop < 1:
         p.error("--cfg-drop must be in [0, 1)")
     if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
@@ -93,7 +104,9 @@ def setup(args):
     data.load_vae(args.vae)
     encoder = data.TextEncoder(args.text_encoder, device=dev)
     config = dict(in_channels=3, image_size=args.image_size, patch=args.patch, width=args.width,
-                  depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn)
+                  depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn, moe=args.moe,
+                  topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
+                  expert_hidden=args.expert_hidden)
     model = DiT(**config).to(dev)
     ema = copy.deepcopy(model).requires_grad_(False)
     try:  # fused AdamW: one kernel for the whole update where this torch build has it
@@ -123,12 +136,13 @@ def drop_captions(text, mask, p, gen):
 
 
 def train_step(S, args, x0, text, mask):
-    """Flow loss -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA. Returns stats for logging."""
+    """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA."""
     text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"])
     with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
         loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"])
+        balance = balance_loss(S["model"])  # 0 for a dense model
     S["opt"].zero_grad(set_to_none=True)
-    loss.backward()
+    (loss + balance).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
     S["opt"].step()
     S["sched"].step()
@@ -137,7 +151,8 @@ def train_step(S, args, x0, text, mask):
     with torch.no_grad():
         for pe, pm in zip(S["ema"].parameters(), S["model"].parameters()):
             pe.lerp_(pm, 1 - decay)
-    return dict(loss=loss.item(), t=t, per_sample=per_sample.detach(), grad_norm=grad_norm.item())
+    return dict(loss=loss.item(), balance=float(balance.detach()), t=t, per_sample=per_sample.detach(),
+                grad_norm=grad_norm.item())
 
 
 def batches(args, S, shards):
@@ -205,9 +220,14 @@ def main(argv=None):
     if args.resume:
         load_checkpoint(S, args)
         print(f"resumed from {args.out}/ckpt.pt at step {S['step']}")
+    elif args.upcycle:  # the dense run's EMA weights seed the model, its EMA and every expert
+        n = upcycle(S["model"], torch.load(args.upcycle, map_location=S["dev"], weights_only=True)["ema"])
+        S["ema"].load_state_dict(S["model"].state_dict())
+        print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
     with open(os.path.join(args.out, "args.json"), "w") as f:
         json.dump(vars(args), f, indent=1)
-    print(f"model: {count_params(S['model']) / 1e6:.2f}M parameters | text encoder {args.text_encoder} "
+    total, active = count_params(S["model"])
+    print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder {args.text_encoder} "
           f"(dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}")
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True)
@@ -229,6 +249,8 @@ def main(argv=None):
             rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
                        lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"], img_per_s=ips,
                        text_encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"])
+            if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
+                rec.update(balance_loss=st["balance"], routing=routing_stats(S["model"]))
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{st['loss']:.4f}", img_s=f"{ips:.0f}")

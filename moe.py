@@ -1,0 +1,174 @@
+"""moe.py -- DiT-MoE's sparse MLP: router, experts, shared experts, balance loss, two dispatches.
+
+A mixture of experts replaces one big MLP by E smaller ones and lets each token use only k of
+them (Shazeer et al. 2017; Switch, Fedus et al. 2021; DiT-MoE, Fei et al. 2024):
+
+    router      p = softmax(x W_r^T)                        (T, E)   one distribution per token
+    top-k       (w, idx) = topk(p, k),  w <- w / sum(w)     (T, k)   renormalised (see below)
+    output      y = sum_j w_j Expert_idx_j(x) + Shared(x)            shared experts see every token
+    balance     L = alpha E sum_i f_i P_i                            f_i: share of the T*k assignments
+                                                                     that went to expert i,
+                                                                     P_i: mean router prob. of i
+
+L is minimised (= alpha) by uniform routing; it is differentiable through P only (f is a count).
+alpha = 0.01 and 2 shared experts are DiT-MoE's values.
+
+Decisions recorded here:
+  * top-k weights are renormalised to sum to 1 (as Mixtral), so a token's routed output has the
+    same scale whatever E and k are, and an upcycled model starts exactly equal to its dense parent.
+  * expert width: by default each expert has hidden = dense_hidden / (k + shared), so the active
+    (per-token) MLP parameters equal the dense MLP's; the total grows with E.
+  * two dispatches, one flag (`--moe-impl`): `loop` is the readable reference (for every expert,
+    find its tokens with a boolean mask, run it, add the weighted result back: DiT-MoE's training
+    path); `sorted` sorts the T*k (token, expert) assignments by expert once, runs every expert on
+    one contiguous slice, and scatters back in one index_add. Empty experts cost nothing in both.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def dense_hidden(dim):
+    """SwiGLU hidden size 2/3 * 4D (rounded up to a multiple of 8): ~ the params of a 4x MLP."""
+    return 8 * ((int(2 * 4 * dim / 3) + 7) // 8)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): W2 (silu(x W1) * x W3). The dense MLP and the shared experts."""
+
+    def __init__(self, dim, hidden=None):
+        super().__init__()
+        hidden = hidden or dense_hidden(dim)
+        self.w13 = nn.Linear(dim, 2 * hidden)  # W1 and W3 in one matmul
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
+
+
+def expert(x, w13, b13, w2, b2):
+    """One routed expert: a SwiGLU with weights w13 (D, 2H), w2 (H, D) and their biases."""
+    a, b = torch.addmm(b13, x, w13).chunk(2, dim=-1)
+    return torch.addmm(b2, F.silu(a) * b, w2)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of SwiGLU experts, plus shared experts. x (..., D) -> (..., D)."""
+
+    def __init__(self, dim, n_experts=8, topk=2, n_shared=2, hidden=None, impl="sorted", alpha=0.01):
+        super().__init__()
+        assert 1 <= topk <= n_experts, "--topk must be between 1 and --moe"
+        hidden = hidden or max(8, 8 * round(dense_hidden(dim) / (topk + n_shared) / 8))
+        self.E, self.k, self.impl, self.alpha, self.hidden = n_experts, topk, impl, alpha, hidden
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))  # all experts stacked
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.b13 = nn.Parameter(torch.zeros(n_experts, 2 * hidden))
+        self.b2 = nn.Parameter(torch.zeros(n_experts, dim))
+        self.shared = SwiGLU(dim, n_shared * hidden) if n_shared else None  # = n_shared experts summed
+        for i in range(n_experts):  # each expert initialised like an nn.Linear would be
+            nn.init.xavier_uniform_(self.w13.data[i].T)
+            nn.init.xavier_uniform_(self.w2.data[i].T)
+        nn.init.normal_(self.router.weight, std=0.02)
+        self.aux_loss, self.stats = None, {}
+
+    def weights(self, e):
+        """Expert e's (w13, b13, w2, b2)."""
+        return self.w13[e], self.b13[e], self.w2[e], self.b2[e]
+
+    def route(self, x):
+        """x (T, D) -> probabilities (T, E), top-k weights (T, k), expert ids (T, k); sets aux_loss."""
+        probs = self.router(x).float().softmax(dim=-1)
+        w, idx = probs.topk(self.k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        counts = torch.bincount(idx.flatten(), minlength=self.E)            # tokens per expert
+        f = counts.float() / idx.numel()                                    # (E,) sums to 1
+        self.aux_loss = self.alpha * self.E * (f * probs.mean(0)).sum()     # Switch balance loss
+        with torch.no_grad():  # for log.jsonl: load per expert, router entropy
+            ent = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
+            self.stats = dict(load=f.detach(), entropy=ent, idx=idx.detach())
+        return probs, w.to(x.dtype), idx
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, D): every image token of every sample
+        _, w, idx = self.route(x)
+        y = self.dispatch_loop(x, w, idx) if self.impl == "loop" else self.dispatch_sorted(x, w, idx)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.view(shape)
+
+    def dispatch_loop(self, x, w, idx):
+        """Reference: for each expert, boolean-mask its tokens, run it, add the weighted result."""
+        y = torch.zeros_like(x)
+        for e in range(self.E):
+            hit = idx == e                       # (T, k) where expert e was chosen
+            rows = hit.any(-1)                   # (T,) tokens that use e
+            if not rows.any():
+                continue
+            gate = (w * hit).sum(-1)[rows, None]  # that token's weight for e
+            y[rows] = y[rows] + gate * expert(x[rows], *self.weights(e))
+        return y
+
+    def dispatch_sorted(self, x, w, idx):
+        """Fast: sort the T*k assignments by expert, one contiguous slice per expert, one scatter."""
+        flat = idx.flatten()                               # (T*k,) expert of each assignment
+        order = flat.argsort(stable=True)                  # assignments grouped by expert
+        token = order // self.k                            # which token each sorted row came from
+        xs = x[token]                                      # (T*k, D) one gather
+        counts = torch.bincount(flat, minlength=self.E).tolist()
+        out = torch.cat([expert(chunk, *self.weights(e))
+                         for e, chunk in enumerate(xs.split(counts)) if counts[e]])
+        out = out * w.flatten()[order, None]               # gate weights, in the same order
+        return torch.zeros_like(x).index_add_(0, token, out)  # back to token order, summing the k
+
+
+def balance_loss(model):
+    """Sum of the balance losses of every MoE layer in `model` (0 for a dense model)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return sum(losses) if losses else torch.zeros(())
+
+
+def count_active(model):
+    """Parameters a single image token uses: total minus the (E - k) unused experts of each layer."""
+    total = sum(p.numel() for p in model.parameters())
+    idle = sum((m.E - m.k) * sum(w.numel() for w in m.weights(0)) for m in model.modules() if isinstance(m, MoE))
+    return total - idle
+
+
+@torch.no_grad()
+def upcycle(model, dense_state):
+    """Dense checkpoint -> MoE model (DiT-MoE's upcycling): every expert a copy of the dense MLP.
+
+    Everything else is copied as is; routers keep their fresh init and the shared experts their
+    zero output projection, so with renormalised top-k weights the first forward equals the dense
+    model's. Symmetry between the identical experts is broken by routing: each expert receives
+    different tokens, hence different gradients, from the first step.
+    """
+    state = model.state_dict()
+    copied = {k: v for k, v in dense_state.items() if k in state and state[k].shape == v.shape}
+    state.update(copied)
+    for name, m in model.named_modules():
+        if not isinstance(m, MoE):
+            continue
+        w13, w2 = dense_state[f"{name}.w13.weight"], dense_state[f"{name}.w2.weight"]
+        if w2.shape[1] != m.hidden:
+            raise SystemExit(f"upcycling needs experts as wide as the dense MLP: pass --expert-hidden {w2.shape[1]}")
+        state[f"{name}.w13"] = w13.T.expand(m.E, -1, -1).clone()  # (E, D, 2H)
+        state[f"{name}.b13"] = dense_state[f"{name}.w13.bias"].expand(m.E, -1).clone()
+        state[f"{name}.w2"] = w2.T.expand(m.E, -1, -1).clone()    # (E, H, D)
+        state[f"{name}.b2"] = dense_state[f"{name}.w2.bias"].expand(m.E, -1).clone()
+    model.load_state_dict(state)
+    return len(copied)
+
+
+def routing_stats(model):
+    """Per MoE layer: load per expert (list), router entropy, experts that got no token."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, MoE) and m.stats:
+            load = m.stats["load"].tolist()
+            out.append(dict(load=[round(v, 4) for v in load], entropy=round(m.stats["entropy"].item(), 4),
+                            unused=sum(v == 0 for v in load)))
+    return out
