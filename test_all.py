@@ -18,6 +18,7 @@ from PIL import Image
 import data
 import flow
 import moe
+import sample
 import train
 from model import DiT, count_params
 
@@ -395,3 +396,38 @@ def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+    # routing heatmaps from the checkpoint: every token's k choices are counted once per t bin
+    model, encoder, targs = sample.load(str(tmp_path / "a" / "ckpt.pt"))
+    by = sample.routing_maps(model, encoder, 16, str(tmp_path), t_bins=3)
+    n_tok = len(data.heldout_prompts(1)) * (16 // 4) ** 2 * 2  # prompts x patches x top-2
+    assert by["timestep"].shape == (2, 3, 4) and torch.allclose(by["timestep"].sum((1, 2)), torch.tensor(3.0 * n_tok))
+    assert torch.allclose(by["colour"].sum((1, 2)), by["position"].sum((1, 2)))
+    for key in ("timestep", "colour", "shape", "position"):
+        assert Image.open(tmp_path / f"routing_{key}.png").size[0] > 100
+
+
+# -----------------------------------------------------------------------------------------------
+# profile.py
+# -----------------------------------------------------------------------------------------------
+def test_profile_py_does_not_shadow_the_standard_library_profile():
+    r = subprocess.run([sys.executable, "-c", "import cProfile, torch._dynamo, profile; assert profile.run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_profile_compute_writes_json_and_trace_and_compare_prints_a_row_per_setting(tmp_path):
+    tiny = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
+            "--out", str(tmp_path), "--iters", "2", "--warmup-iters", "1"]
+    r = subprocess.run([sys.executable, "profile.py", "compute", *tiny, "--moe", "4", "--trace"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(tmp_path / "profile" / "compute.json"))
+    assert res["step_ms"] > 0 and res["img_per_s"] > 0 and res["active_params"] < res["params"]
+    assert abs(res["step_ms"] - res["forward_ms"] - res["backward_ms"] - res["optimizer_ms"]) < 0.5 * res["step_ms"]
+    assert "traceEvents" in json.load(open(res["trace"]))
+    r = subprocess.run([sys.executable, "profile.py", "--compare", "attn=manual,sdpa", "--repeats", "1", *tiny],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [l.split()[0] for l in r.stdout.splitlines() if l.split() and l.split()[0] in ("manual", "sdpa")]
+    assert rows == ["manual", "sdpa"]
+    assert set(json.load(open(tmp_path / "profile" / "compare_attn.json"))["medians"]) == {"manual", "sdpa"}

@@ -70,8 +70,9 @@ def get_parser():
     return p
 
 
-def get_args(argv=None):
-    p = get_parser()
+def get_args(argv=None, parser=None):
+    """Parse and check the flags; `parser` lets profile.py add its own to the very same set."""
+    p = parser or get_parser()
     args = p.parse_args(argv)
     if args.image_size % args.patch:
         ok = [q for q in (1, 2, 4, 8, 16) if args.image_size % q == 0]
@@ -135,14 +136,18 @@ def drop_captions(text, mask, p, gen):
     return text * keep[:, None, None], mask & keep[:, None]
 
 
-def train_step(S, args, x0, text, mask):
-    """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA."""
+def train_step(S, args, x0, text, mask, mark=None):
+    """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA.
+    `mark(phase)`, if given, is called as each phase ends (profile.py times them with it)."""
+    mark = mark or (lambda phase: None)
     text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"])
     with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
         loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"])
         balance = balance_loss(S["model"])  # 0 for a dense model
+    mark("forward")
     S["opt"].zero_grad(set_to_none=True)
     (loss + balance).backward()
+    mark("backward")
     grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
     S["opt"].step()
     S["sched"].step()
@@ -151,6 +156,7 @@ def train_step(S, args, x0, text, mask):
     with torch.no_grad():
         for pe, pm in zip(S["ema"].parameters(), S["model"].parameters()):
             pe.lerp_(pm, 1 - decay)
+    mark("optimizer")
     return dict(loss=loss.item(), balance=float(balance.detach()), t=t, per_sample=per_sample.detach(),
                 grad_norm=grad_norm.item())
 

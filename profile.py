@@ -1,0 +1,190 @@
+"""profile.py -- measure, don't guess: one training step timed by phase, and one flag flipped
+side by side.
+
+    python profile.py compute                        # fwd / bwd / optimiser ms, images/s, peak memory
+    python profile.py compute --moe 8 --trace        # + a torch.profiler Chrome trace
+    python profile.py --compare moe=0,8              # each setting in a fresh process, alternating
+    python profile.py --compare moe-impl=loop,sorted --moe 8 --markdown
+
+Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the
+default run with one flag flipped". Each measurement runs in a fresh process, so memory is clean;
+settings alternate and repeat so that a noisy neighbour hurts both alike. Results are written to
+<out>/profile/*.json and Chrome traces to <out>/profile/*.trace.json (open in chrome://tracing or
+Perfetto). On CPU, "peak memory" is the growth of the process's peak RSS over its RSS just before
+the first step (the step's own working memory); on CUDA it is the allocator's peak.
+"""
+# This file keeps its name (DESIGN.md). Run from the repo root it shadows the standard library's
+# `profile`, which `cProfile` imports (and torch._dynamo, hence torch.compile, imports cProfile).
+# So when it is imported under that name, it hands the standard module over: sys.modules then
+# holds the real one, which is what `import profile` returns. Nothing heavy runs at import time.
+import sys
+
+if __name__ == "profile":
+    import importlib.util
+    import os
+    import sysconfig
+    _spec = importlib.util.spec_from_file_location(
+        "profile", os.path.join(sysconfig.get_paths()["stdlib"], "profile.py"))
+    sys.modules["profile"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["profile"])
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def get_args(argv=None):
+    import train
+    p = train.get_parser()
+    p.description = "Profile one training step of train.py, or compare two settings of one flag."
+    p.add_argument("mode", nargs="?", default="compute", choices=["compute"], help="what to measure")
+    p.add_argument("--iters", type=int, default=10, help="timed steps (after the warm-up)")
+    p.add_argument("--warmup-iters", type=int, default=3, help="untimed steps first")
+    p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
+    p.add_argument("--compare", default=None, help="FLAG=A,B[,C]: run each setting of a train.py flag in a fresh "
+                   "process (on/off for switches such as compile=off,on) and print a ratio table")
+    p.add_argument("--repeats", type=int, default=3, help="--compare: runs per setting, alternating")
+    p.add_argument("--markdown", action="store_true", help="--compare: print the table as Markdown")
+    p.add_argument("--json", default=None, help="write the result JSON here (used by --compare)")
+    return train.get_args(argv, parser=p)
+
+
+# -----------------------------------------------------------------------------------------------
+# compute: forward / backward / optimiser of train.py's own step, on a real built-in batch
+# -----------------------------------------------------------------------------------------------
+def rss_mb():
+    """Current resident set size of this process, MB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def compute(args):
+    import resource
+
+    import torch
+
+    import data
+    import train
+    from model import count_params
+    S = train.setup(args)
+    dev, B = S["dev"], args.batch_size
+    rng = random.Random(args.seed)
+    caps, imgs = [], []
+    for _ in range(B):  # a real batch: MoE routing depends on what the tokens show
+        cap, a = data.random_caption(rng)
+        caps.append(cap)
+        imgs.append(data.to_tensor(data.render(a["color"], a["shape"], a["position"], args.image_size, rng),
+                                   args.image_size))
+    x0 = torch.stack(imgs).to(dev)
+    text, mask, _ = S["encoder"](caps)
+    times = {k: [] for k in PHASES}
+
+    def run(n, record):
+        for _ in range(n):
+            last = [time.perf_counter()]
+
+            def mark(phase):
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                if record:
+                    times[phase].append(now - last[0])
+                last[0] = now
+            train.train_step(S, args, x0, text, mask, mark)
+
+    base = rss_mb()
+    run(args.warmup_iters, False)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    run(args.iters, True)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if dev == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    step = [sum(ts) for ts in zip(*times.values())]
+    total, active = count_params(S["model"])
+    res = dict(flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
+               device=dev, threads=torch.get_num_threads(), params=total, active_params=active,
+               **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+               step_ms=1e3 * statistics.median(step), img_per_s=B / statistics.median(step), peak_mem_mb=peak)
+    os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+        with profile(activities=acts) as prof:
+            run(2, False)
+        res["trace"] = os.path.join(args.out, "profile", "compute.trace.json")
+        prof.export_chrome_trace(res["trace"])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    path = args.json or os.path.join(args.out, "profile", "compute.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(" | ".join(f"{k} {res[k + '_ms']:.1f} ms" for k in PHASES + ("step",)) +
+          f" | {res['img_per_s']:.0f} img/s | peak {peak:.0f} MB | {total / 1e6:.2f}M params ({active / 1e6:.2f}M active)")
+    return res
+
+
+# -----------------------------------------------------------------------------------------------
+# --compare FLAG=A,B: fresh processes, alternating, repeated; a ratio table
+# -----------------------------------------------------------------------------------------------
+def strip(argv, with_value, switches=()):
+    """argv without the given options (and the values of those in `with_value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in with_value:
+            skip = True
+        elif a.split("=")[0] not in with_value and a not in switches:
+            out.append(a)
+    return out
+
+
+def compare(args, argv):
+    flag, values = args.compare.split("=", 1)
+    values = values.split(",")
+    base = strip(argv, {"--compare", "--repeats", "--json"}, {"--markdown", "--trace"})
+    runs = {v: [] for v in values}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for v in values:
+                extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
+                out = os.path.join(tmp, f"{v}-{r}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "compute", *base, *extra, "--json", out]
+                print(f"[{r + 1}/{args.repeats}] --{flag} {v}", flush=True)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                runs[v].append(json.load(open(out)))
+    keys = [k + "_ms" for k in PHASES] + ["step_ms", "img_per_s", "peak_mem_mb"]
+    rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
+    ref = rows[values[0]]
+    head = [f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:4]] + ["img/s", "peak MB", f"step ÷ {values[0]}",
+                                                                          f"mem ÷ {values[0]}"]
+    lines = []
+    for v, row in rows.items():
+        lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
+        lines.append([v] + [f"{row[k]:.1f}" for k in keys[:3]] + [f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})",
+                     f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
+                     f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
+    if args.markdown:
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        print("\n".join("| " + " | ".join(l) + " |" for l in lines))
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+        for l in [head] + lines:
+            print("  ".join(str(x).rjust(w) for x, w in zip(l, widths)))
+    dev = runs[values[0]][0]["device"]
+    print(f"(median of {args.repeats} fresh processes each, {args.iters} timed steps per process, device {dev}, "
+          f"{runs[values[0]][0]['threads']} threads; step = forward + backward + optimizer, range in brackets)")
+    os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
+    with open(os.path.join(args.out, "profile", f"compare_{flag}.json"), "w") as f:
+        json.dump(dict(flag=flag, runs=runs, medians=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    args = get_args()
+    compare(args, sys.argv[1:]) if args.compare else compute(args)
