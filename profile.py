@@ -156,7 +156,9 @@ def compare(args, argv):
                 out = os.path.join(tmp, f"{v}-{r}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), "compute", *base, *extra, "--json", out]
                 print(f"[{r + 1}/{args.repeats}] --{flag} {v}", flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                 runs[v].append(json.load(open(out)))
     keys = [k + "_ms" for k in PHASES] + ["step_ms", "img_per_s", "peak_mem_mb"]
     rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
