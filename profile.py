@@ -43,7 +43,12 @@ def get_args(argv=None):
     import train
     p = train.get_parser()
     p.description = "Profile one training step of train.py, or compare two settings of one flag."
-    p.add_argument("mode", nargs="?", default="compute", choices=["compute"], help="what to measure")
+    p.add_argument("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader"],
+                   help="compute: the model step on a fixed batch; full: the real loop (data wait, text encoder, "
+                   "forward, backward, optimizer); dataloader: the input pipeline alone vs the model")
+    p.add_argument("--loader-batches", type=int, default=50, help="dataloader: batches timed")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s of the device for MFU (GPUs in "
+                   "PEAK_TFLOPS are known)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (after the warm-up)")
     p.add_argument("--warmup-iters", type=int, default=3, help="untimed steps first")
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
@@ -64,7 +69,61 @@ def rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
-def compute(args):
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
+
+
+def fixed_batch(args, S):
+    """One real built-in batch, encoded once: `compute` then times the model alone."""
+    import torch
+
+    import data
+    rng = random.Random(args.seed)
+    caps, imgs = [], []
+    for _ in range(args.batch_size):  # real images: MoE routing depends on what the tokens show
+        cap, a = data.random_caption(rng)
+        caps.append(cap)
+        imgs.append(data.to_tensor(data.render(a["color"], a["shape"], a["position"], args.image_size, rng),
+                                   args.image_size))
+    S["encoder"](caps)  # fill the cache
+    return torch.stack(imgs), caps
+
+
+def run_steps(S, args, n, get_batch, times=None):
+    """n training steps of train.py; if `times` is given, append each phase's seconds to it."""
+    import torch
+
+    import train
+    for _ in range(n):
+        last = [time.perf_counter()]
+
+        def mark(phase):
+            if S["dev"] == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if times is not None:
+                times.setdefault(phase, []).append(now - last[0])
+            last[0] = now
+        x0, caps = get_batch()
+        mark("data_wait")
+        text, mask, _ = S["encoder"](caps)
+        mark("text_encoder")
+        train.train_step(S, args, x0.to(S["dev"]), text, mask, mark)
+
+
+def flops_per_step(S, args, batch):
+    """FLOPs of one forward + backward, counted by torch's FlopCounterMode (matmuls, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    state = {k: v.state_dict() for k, v in S.items() if k in ("model", "ema", "opt", "sched")}
+    with FlopCounterMode(display=False) as fc:
+        run_steps(S, args, 1, lambda: batch)
+    for k, v in state.items():  # that step was only counted: undo it
+        S[k].load_state_dict(v)
+    S["step"] -= 1
+    return fc.get_total_flops()
+
+
+def measure(args):
+    """compute | full | dataloader -> result dict (also written as JSON under <out>/profile/)."""
     import resource
 
     import torch
@@ -74,57 +133,64 @@ def compute(args):
     from model import count_params
     S = train.setup(args)
     dev, B = S["dev"], args.batch_size
-    rng = random.Random(args.seed)
-    caps, imgs = [], []
-    for _ in range(B):  # a real batch: MoE routing depends on what the tokens show
-        cap, a = data.random_caption(rng)
-        caps.append(cap)
-        imgs.append(data.to_tensor(data.render(a["color"], a["shape"], a["position"], args.image_size, rng),
-                                   args.image_size))
-    x0 = torch.stack(imgs).to(dev)
-    text, mask, _ = S["encoder"](caps)
-    times = {k: [] for k in PHASES}
-
-    def run(n, record):
-        for _ in range(n):
-            last = [time.perf_counter()]
-
-            def mark(phase):
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                if record:
-                    times[phase].append(now - last[0])
-                last[0] = now
-            train.train_step(S, args, x0, text, mask, mark)
-
+    batch = fixed_batch(args, S)
+    res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
+               device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", threads=torch.get_num_threads())
+    res["params"], res["active_params"] = count_params(S["model"])
+    if args.mode == "full":  # the real loop: loader, text encoder (cached), the step
+        shards = data.resolve_shards(args.data, args.image_size)
+        it = train.batches(args, S, shards)
+        get_batch = lambda: next(it)
+    else:
+        get_batch = lambda: batch
+    if args.mode == "dataloader":  # the input pipeline alone, no model running
+        shards = data.resolve_shards(args.data, args.image_size)
+        t0, n = time.perf_counter(), 0
+        for i, b in enumerate(data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)):
+            if i == 0:
+                t0, first = time.perf_counter(), time.perf_counter() - t0
+            elif i <= args.loader_batches:
+                n += b["image"].shape[0]
+            else:
+                break
+        res.update(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
     base = rss_mb()
-    run(args.warmup_iters, False)
+    run_steps(S, args, args.warmup_iters, get_batch)
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    run(args.iters, True)
-    peak = torch.cuda.max_memory_allocated() / 2 ** 20 if dev == "cuda" else \
+    times = {}
+    run_steps(S, args, args.iters, get_batch, times)
+    res["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20 if dev == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     step = [sum(ts) for ts in zip(*times.values())]
-    total, active = count_params(S["model"])
-    res = dict(flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
-               device=dev, threads=torch.get_num_threads(), params=total, active_params=active,
-               **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
-               step_ms=1e3 * statistics.median(step), img_per_s=B / statistics.median(step), peak_mem_mb=peak)
+    res.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
+    res.update(step_ms=1e3 * statistics.median(step), img_per_s=B / statistics.median(step),
+               share={k: sum(v) / sum(step) for k, v in times.items()}, communication="none (one process)")
+    if args.mode == "dataloader":
+        res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
+    res["flops_per_step"] = flops_per_step(S, args, batch)
+    res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
+    res["mfu"] = res["achieved_tflops"] / peak if peak else None  # unknown peak (CPUs): none claimed
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
         with profile(activities=acts) as prof:
-            run(2, False)
-        res["trace"] = os.path.join(args.out, "profile", "compute.trace.json")
+            run_steps(S, args, 2, get_batch)
+        res["trace"] = os.path.join(args.out, "profile", f"{args.mode}.trace.json")
         prof.export_chrome_trace(res["trace"])
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    path = args.json or os.path.join(args.out, "profile", "compute.json")
-    with open(path, "w") as f:
+    with open(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(" | ".join(f"{k} {res[k + '_ms']:.1f} ms" for k in PHASES + ("step",)) +
-          f" | {res['img_per_s']:.0f} img/s | peak {peak:.0f} MB | {total / 1e6:.2f}M params ({active / 1e6:.2f}M active)")
+    print(" | ".join(f"{k} {v:.1f} ms ({100 * res['share'][k]:.1f}%)" for k, v in
+                     ((k, res[k + "_ms"]) for k in times)) + f" | step {res['step_ms']:.1f} ms")
+    print(f"{res['img_per_s']:.0f} img/s | peak {res['peak_mem_mb']:.0f} MB | {res['params'] / 1e6:.2f}M params "
+          f"({res['active_params'] / 1e6:.2f}M active) | {res['achieved_tflops'] * 1e3:.1f} GFLOP/s achieved"
+          + (f" | MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""))
+    if args.mode == "dataloader":
+        print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
+              f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
     return res
 
 
@@ -154,21 +220,22 @@ def compare(args, argv):
             for v in values:
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
                 out = os.path.join(tmp, f"{v}-{r}.json")
-                cmd = [sys.executable, os.path.abspath(__file__), "compute", *base, *extra, "--json", out]
+                cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
                 print(f"[{r + 1}/{args.repeats}] --{flag} {v}", flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                 runs[v].append(json.load(open(out)))
-    keys = [k + "_ms" for k in PHASES] + ["step_ms", "img_per_s", "peak_mem_mb"]
+    phases = ("data_wait", "text_encoder") * (args.mode == "full") + PHASES
+    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb"]
     rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
     ref = rows[values[0]]
-    head = [f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:4]] + ["img/s", "peak MB", f"step ÷ {values[0]}",
+    head = [f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:len(phases) + 1]] + ["img/s", "peak MB", f"step ÷ {values[0]}",
                                                                           f"mem ÷ {values[0]}"]
     lines = []
     for v, row in rows.items():
         lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
-        lines.append([v] + [f"{row[k]:.1f}" for k in keys[:3]] + [f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})",
+        lines.append([v] + [f"{row[k]:.1f}" for k in keys[:len(phases)]] + [f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})",
                      f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
                      f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
     if args.markdown:
@@ -180,7 +247,7 @@ def compare(args, argv):
             print("  ".join(str(x).rjust(w) for x, w in zip(l, widths)))
     dev = runs[values[0]][0]["device"]
     print(f"(median of {args.repeats} fresh processes each, {args.iters} timed steps per process, device {dev}, "
-          f"{runs[values[0]][0]['threads']} threads; step = forward + backward + optimizer, range in brackets)")
+          f"{runs[values[0]][0]['threads']} threads; step = the sum of all phases, range in brackets)")
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     with open(os.path.join(args.out, "profile", f"compare_{flag}.json"), "w") as f:
         json.dump(dict(flag=flag, runs=runs, medians=rows), f, indent=1)
@@ -189,4 +256,4 @@ def compare(args, argv):
 
 if __name__ == "__main__":
     args = get_args()
-    compare(args, sys.argv[1:]) if args.compare else compute(args)
+    compare(args, sys.argv[1:]) if args.compare else measure(args)

@@ -415,16 +415,19 @@ def test_profile_py_does_not_shadow_the_standard_library_profile():
     assert r.returncode == 0, r.stderr
 
 
-def test_profile_compute_writes_json_and_trace_and_compare_prints_a_row_per_setting(tmp_path):
+def test_profile_modes_write_json_and_trace_and_compare_prints_a_row_per_setting(tmp_path):
     tiny = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
-            "--out", str(tmp_path), "--iters", "2", "--warmup-iters", "1"]
-    r = subprocess.run([sys.executable, "profile.py", "compute", *tiny, "--moe", "4", "--trace"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    res = json.load(open(tmp_path / "profile" / "compute.json"))
-    assert res["step_ms"] > 0 and res["img_per_s"] > 0 and res["active_params"] < res["params"]
-    assert abs(res["step_ms"] - res["forward_ms"] - res["backward_ms"] - res["optimizer_ms"]) < 0.5 * res["step_ms"]
-    assert "traceEvents" in json.load(open(res["trace"]))
+            "--out", str(tmp_path), "--iters", "2", "--warmup-iters", "1", "--loader-batches", "4"]
+    for mode in ("compute", "full", "dataloader"):
+        r = subprocess.run([sys.executable, "profile.py", mode, *tiny, "--moe", "4", "--trace"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        res = json.load(open(tmp_path / "profile" / f"{mode}.json"))
+        assert res["step_ms"] > 0 and res["img_per_s"] > 0 and res["active_params"] < res["params"]
+        phases = ("data_wait", "text_encoder", "forward", "backward", "optimizer")
+        assert set(res["share"]) == set(phases) and abs(sum(res["share"].values()) - 1) < 1e-6
+        assert res["flops_per_step"] > 0 and "traceEvents" in json.load(open(res["trace"]))
+    assert res["loader_img_per_s"] > 0 and res["loader_over_model"] > 0
     r = subprocess.run([sys.executable, "profile.py", "--compare", "attn=manual,sdpa", "--repeats", "1", *tiny],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -35,6 +35,8 @@ def get_parser():
     a("--data", default=data.BUILTIN, help="folder of WebDataset .tar shards, comma-separated .tar paths, "
       "or 'builtin' (captioned shapes, generated on first use)")
     a("--text-encoder", default="minilm", help="'minilm' (offline, pip package) or a CLIP hub id / local folder")
+    a("--text-cache", type=int, default=100_000, help="distinct captions whose encoding is kept (0 = encode every "
+      "batch afresh: the online cost profile.py compares against)")
     a("--vae", default="none", help="'none' = train on pixels (the latent path is a later issue)")
     a("--image-size", type=int, default=32, help="training resolution in pixels")
     a("--width", type=int, default=192, help="transformer width D")
@@ -103,7 +105,7 @@ def setup(args):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     data.load_vae(args.vae)
-    encoder = data.TextEncoder(args.text_encoder, device=dev)
+    encoder = data.TextEncoder(args.text_encoder, device=dev, cache_size=args.text_cache)
     config = dict(in_channels=3, image_size=args.image_size, patch=args.patch, width=args.width,
                   depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn, moe=args.moe,
                   topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
