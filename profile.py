@@ -230,13 +230,14 @@ def compare(args, argv):
     keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb"]
     rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
     ref = rows[values[0]]
-    head = [f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:len(phases) + 1]] + ["img/s", "peak MB", f"step ÷ {values[0]}",
-                                                                          f"mem ÷ {values[0]}"]
+    head = ([f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:len(phases) + 1]] +
+            ["img/s", "peak MB", f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
     lines = []
     for v, row in rows.items():
         lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
-        lines.append([v] + [f"{row[k]:.1f}" for k in keys[:len(phases)]] + [f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})",
-                     f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
+        lines.append([v] + [f"{row[k]:.1f}" for k in keys[:len(phases)]] + [
+                     f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}",
+                     f"{row['peak_mem_mb']:.0f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
                      f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
     if args.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

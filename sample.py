@@ -111,7 +111,8 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
             fig, axes = plt.subplots(1, L, figsize=(2.2 * L + 1, 0.35 * len(labels[key]) + 1.5), squeeze=False)
             for l in range(L):
                 ax = axes[0, l]
-                im = ax.imshow(frac[l].numpy(), vmin=0, vmax=max(2.0 / E, frac.max().item()), cmap="viridis", aspect="auto")
+                im = ax.imshow(frac[l].numpy(), vmin=0, vmax=max(2.0 / E, frac.max().item()), cmap="viridis",
+                               aspect="auto")
                 ax.set_title(f"layer {l}", fontsize=9)
                 ax.set_xlabel("expert")
                 ax.set_yticks(range(len(labels[key])), labels[key] if l == 0 else [""] * len(labels[key]), fontsize=8)

@@ -49,7 +49,8 @@ def get_parser():
     a("--moe-impl", default="sorted", choices=["loop", "sorted"], help="MoE dispatch: readable loop or sorted slices")
     a("--expert-hidden", type=int, default=None, help="hidden size of each expert (default: dense / (topk + shared))")
     a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
-    a("--attn", default="sdpa", choices=["manual", "sdpa"], help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
+    a("--attn", default="sdpa", choices=["manual", "sdpa"],
+      help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
     a("--batch-size", type=int, default=64, help="images per step (per rank)")
     a("--steps", type=int, default=1500, help="optimiser steps")
     a("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
@@ -68,7 +69,8 @@ def get_parser():
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
     a("--cfg", type=float, default=5.0, help="guidance scale w for samples and the final evaluation")
     a("--sample-steps", type=int, default=25, help="Euler steps for samples and the final evaluation")
-    a("--eval-n", type=int, default=2, help="final evaluation: samples per held-out colour x shape x position (0 = skip)")
+    a("--eval-n", type=int, default=2,
+      help="final evaluation: samples per held-out colour x shape x position (0 = skip)")
     return p
 
 
@@ -235,8 +237,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "args.json"), "w") as f:
         json.dump(vars(args), f, indent=1)
     total, active = count_params(S["model"])
-    print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder {args.text_encoder} "
-          f"(dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}")
+    print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
+          f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}")
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True)
     log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
