@@ -246,24 +246,30 @@ def test_short_training_run_loss_falls(tmp_path, builtin16):
         assert os.path.exists(os.path.join(out, f))
 
 
+def crash_then_resume(monkeypatch, argv, crash_at):
+    """Run train.main(argv) until the step after `crash_at` dies, then run it again with --resume."""
+    real_step = train.train_step
+
+    def crash(S, *a):
+        if S["step"] == crash_at:
+            raise KeyboardInterrupt
+        return real_step(S, *a)
+
+    monkeypatch.setattr(train, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(argv)
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(argv + ["--resume"])
+
+
 def test_resume_is_bit_identical(tmp_path, monkeypatch):
     # 2 shards x 40 samples, 2 workers, batch 16: 4 batches an epoch, so 12 steps cross 2 epochs
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "12", "--ckpt-every", "5",
                     "--workers", "2"]
     train.main(flags + ["--out", str(tmp_path / "a")])  # uninterrupted
-    real_step = train.train_step
-
-    def crash_after_5(S, *a):
-        if S["step"] == 7:  # killed mid-epoch, between checkpoints: steps 6 and 7 are lost
-            raise KeyboardInterrupt
-        return real_step(S, *a)
-
-    monkeypatch.setattr(train, "train_step", crash_after_5)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(flags + ["--out", str(tmp_path / "b")])
-    monkeypatch.setattr(train, "train_step", real_step)
-    train.main(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    # killed mid-epoch, between checkpoints: steps 6 and 7 are lost
+    crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=7)
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
     assert a["step"] == b["step"] == 12 and a["data"] == b["data"] and a["data"]["epoch"] == 2  # epochs 0, 1 done
     for k in ("model", "ema"):
@@ -381,18 +387,7 @@ def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert all(0 < r["balance_loss"] < 0.05 for r in log)
     assert len(log[-1]["routing"]) == 2 and len(log[-1]["routing"][0]["load"]) == 4
-    real_step = train.train_step
-
-    def crash(S, *a):
-        if S["step"] == 25:
-            raise KeyboardInterrupt
-        return real_step(S, *a)
-
-    monkeypatch.setattr(train, "train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(flags + ["--out", str(tmp_path / "b")])
-    monkeypatch.setattr(train, "train_step", real_step)
-    train.main(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=25)
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
