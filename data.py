@@ -98,8 +98,10 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
     open(os.path.join(tmp, "DONE"), "w").close()
     try:
         os.replace(tmp, root)  # atomic: a half-written dataset is never seen as done
-    except OSError:  # another process finished first
+    except OSError:  # another process finished first, or `root` is something else
         shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(os.path.join(root, "DONE")):
+            raise SystemExit(f"{root} exists but is not a finished built-in dataset: remove it and rerun")
     return make_builtin(root, size, n_shards, per_shard, seed)
 
 

@@ -128,7 +128,7 @@ def setup(args):
     gen = torch.Generator(dev).manual_seed(args.seed)  # noise, t and caption drop: saved for resume
     fwd = torch.compile(model) if args.compile else model  # EMA, samples, ckpts use the plain module
     return dict(dev=dev, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
-                sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped=0)
+                sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0, skipped=0)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -166,18 +166,20 @@ def train_step(S, args, x0, text, mask, mark=None):
 
 
 def batches(args, S, shards):
-    """Endless (image, caption) batches, starting at the saved data position; updates it."""
-    skipped_before = S["skipped"]
+    """Endless (image, caption) batches, starting at the saved data position; updates it.
+    Bad samples: S["skipped_before"] counts finished epochs, S["skipped"] adds the current one
+    (re-reading an epoch on resume recounts it from zero, so nothing is counted twice)."""
     while True:
         per_worker = {}
         for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed,
                                                S["epoch"], workers=args.workers)):
+            per_worker[b["worker"]] = b["skipped"]
+            S["skipped"] = S["skipped_before"] + sum(per_worker.values())
             if i < S["batch_in_epoch"]:  # resume: these were consumed before the checkpoint
                 continue
-            per_worker[b["worker"]] = b["skipped"]
-            S["batch_in_epoch"], S["skipped"] = i + 1, skipped_before + sum(per_worker.values())
+            S["batch_in_epoch"] = i + 1
             yield b["image"], b["caption"]
-        skipped_before = S["skipped"]
+        S["skipped_before"] = S["skipped"]
         S["epoch"], S["batch_in_epoch"] = S["epoch"] + 1, 0
 
 
@@ -188,7 +190,7 @@ def save_checkpoint(S, args):
     ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=S["opt"].state_dict(),
                 sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
-                data=dict(epoch=S["epoch"], batch_in_epoch=S["batch_in_epoch"], skipped=S["skipped"]))
+                data={k: S[k] for k in ("epoch", "batch_in_epoch", "skipped_before", "skipped")})
     path = os.path.join(args.out, "ckpt.pt")
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # a crash mid-write never leaves a broken ckpt.pt
