@@ -28,10 +28,12 @@ def interpolate(x0, eps, t):
     return (1 - t) * x0 + t * eps
 
 
-def flow_loss(model, x0, text, mask, t_dist="logit-normal", generator=None):
-    """-> (mean loss, t (B,), per-sample loss (B,)) for one batch of clean inputs x0."""
-    t = sample_t(x0.shape[0], t_dist, generator, x0.device)
-    eps = torch.randn(x0.shape, generator=generator, device=x0.device)
+def flow_loss(model, x0, text, mask, t_dist="logit-normal", generator=None, rank=0, world=1):
+    """-> (mean loss, t (B,), per-sample loss (B,)) for one batch of clean inputs x0. Under data
+    parallelism every rank draws t and eps for the global batch and keeps its own slice."""
+    n, mine = x0.shape[0], slice(rank * x0.shape[0], (rank + 1) * x0.shape[0])
+    t = sample_t(n * world, t_dist, generator, x0.device)[mine]
+    eps = torch.randn((n * world, *x0.shape[1:]), generator=generator, device=x0.device)[mine]
     v = model(interpolate(x0, eps, t), t, text, mask)
     per_sample = ((v.float() - (eps - x0)) ** 2).mean(dim=tuple(range(1, x0.dim())))
     return per_sample.mean(), t, per_sample

@@ -271,7 +271,7 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
     # killed mid-epoch, between checkpoints: steps 6 and 7 are lost
     crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=7)
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
-    assert a["step"] == b["step"] == 12 and a["data"] == b["data"] and a["data"]["epoch"] == 2  # epochs 0, 1 done
+    assert a["step"] == b["step"] == 12 and a["data"] == b["data"] and a["data"][0]["epoch"] == 2  # epochs 0, 1 done
     for k in ("model", "ema"):
         for name in a[k]:
             assert torch.equal(a[k][name], b[k][name]), (k, name)
@@ -294,7 +294,8 @@ def test_sample_eval_prints_json(tmp_path, builtin16):
 @pytest.mark.parametrize("argv, fix", [(["--attn", "flash"], "choose from"),
                                        (["--patch", "3"], "use one of [1, 2, 4, 8, 16]"),
                                        (["--width", "30", "--heads", "4"], "multiple of 4"),
-                                       (["--resume", "--out", "/nonexistent"], "drop --resume")])
+                                       (["--resume", "--out", "/nonexistent"], "drop --resume"),
+                                       (["--dist", "ddp"], "needs a launcher: torchrun")])
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
@@ -429,3 +430,39 @@ def test_profile_modes_write_json_and_trace_and_compare_prints_a_row_per_setting
     rows = [l.split()[0] for l in r.stdout.splitlines() if l.split() and l.split()[0] in ("manual", "sdpa")]
     assert rows == ["manual", "sdpa"]
     assert set(json.load(open(tmp_path / "profile" / "compare_attn.json"))["medians"]) == {"manual", "sdpa"}
+
+
+# -----------------------------------------------------------------------------------------------
+# distributed (CPU, gloo, 2 processes under torchrun)
+# -----------------------------------------------------------------------------------------------
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+    # every sample identical, so both runs see the same batches whatever the shard split; noise,
+    # times and caption drop are drawn for the global batch on every rank (each keeps its slice)
+    os.makedirs(tmp_path / "same")
+    for s in range(4):
+        write_shard(str(tmp_path / "same" / f"s{s}.tar"),
+                    [{"__key__": f"{s}-{i}", "png": png((200, 30, 30)), "txt": "a red square"} for i in range(16)])
+    flags = TINY + ["--data", str(tmp_path / "same"), "--image-size", "16", "--steps", "6", "--lr", "2e-3",
+                    "--warmup", "2", "--cfg-drop", "0.3"]
+    train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")])
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), "train.py", "--dist", "ddp", *flags, "--batch-size", "8", "--workers", "1",
+                        "--out", str(tmp_path / "two")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "parameters identical on all 2 ranks: True" in r.stdout
+    assert "2 ranks x 8 = global batch 16" in r.stdout
+    one, two = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "two"))
+    init = tiny_model(image_size=16, width=32, text_dim=384).state_dict()
+    for name in one["model"]:
+        assert torch.allclose(one["model"][name], two["model"][name], atol=1e-5, rtol=1e-4), name
+    assert any(not torch.equal(one["model"][k], init[k]) for k in init)  # it did train
+    logs = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("one", "two")]
+    assert len(logs[0]) == len(logs[1]) == 6
+    assert all(abs(a - b) < 1e-4 for a, b in zip(*logs))  # the logged loss is the global batch's

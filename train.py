@@ -16,9 +16,11 @@ import json
 import math
 import os
 import random
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import data
 import flow
@@ -49,6 +51,8 @@ def get_parser():
     a("--moe-impl", default="sorted", choices=["loop", "sorted"], help="MoE dispatch: readable loop or sorted slices")
     a("--expert-hidden", type=int, default=None, help="hidden size of each expert (default: dense / (topk + shared))")
     a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
+    a("--dist", default="none", choices=["none", "ddp"], help="none: one process; ddp: PyTorch DDP under "
+      "torchrun (gloo on CPU, NCCL on CUDA), global batch = --batch-size x world size")
     a("--attn", default="sdpa", choices=["manual", "sdpa"],
       help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
     a("--batch-size", type=int, default=64, help="images per step (per rank)")
@@ -89,6 +93,9 @@ def get_args(argv=None, parser=None):
         p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
     if not 0 <= args.cfg_drop < 1:
         p.error("--cfg-drop must be in [0, 1)")
+    if args.dist != "none" and "RANK" not in os.environ:
+        p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ... "
+                "(or sbatch run.slurm)")
     if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
         p.error(f"--resume: no checkpoint at {args.out}/ckpt.pt; drop --resume to start fresh")
     return args
@@ -98,8 +105,14 @@ def get_args(argv=None, parser=None):
 # Set-up
 # -----------------------------------------------------------------------------------------------
 def setup(args):
-    """Device, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop works on."""
+    """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop uses."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, local_rank, world = 0, 0, 1
+    if args.dist == "ddp":  # torchrun sets these; plain `python train.py` never gets here
+        rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        if dev == "cuda":
+            torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
+        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     if args.precision is None:
         args.precision = "bf16" if dev == "cuda" else "fp32"
     if dev == "cuda":
@@ -125,18 +138,25 @@ def setup(args):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    gen = torch.Generator(dev).manual_seed(args.seed)  # noise, t and caption drop: saved for resume
+    # noise, t and caption drop: the same seed on every rank, which draws for the global batch and
+    # keeps its own slice, so a run does not depend on how its batch is split over ranks
+    gen = torch.Generator(dev).manual_seed(args.seed)
     fwd = torch.compile(model) if args.compile else model  # EMA, samples, ckpts use the plain module
-    return dict(dev=dev, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
+    if world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
+        fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
+                                                        find_unused_parameters=args.moe > 0)
+    return dict(dev=dev, rank=rank, world=world, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
                 sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0, skipped=0)
 
 
 # -----------------------------------------------------------------------------------------------
 # One training step
 # -----------------------------------------------------------------------------------------------
-def drop_captions(text, mask, p, gen):
-    """Replace each caption by the null caption (zeros, all-False mask) with probability p."""
-    keep = torch.rand(text.shape[0], generator=gen, device=text.device) >= p
+def drop_captions(text, mask, p, gen, rank=0, world=1):
+    """Replace each caption by the null caption (zeros, all-False mask) with probability p
+    (drawn for the global batch, this rank's slice kept)."""
+    n = text.shape[0]
+    keep = (torch.rand(n * world, generator=gen, device=text.device) >= p)[rank * n:(rank + 1) * n]
     return text * keep[:, None, None], mask & keep[:, None]
 
 
@@ -144,13 +164,13 @@ def train_step(S, args, x0, text, mask, mark=None):
     """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA.
     `mark(phase)`, if given, is called as each phase ends (profile.py times them with it)."""
     mark = mark or (lambda phase: None)
-    text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"])
+    text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"], S["rank"], S["world"])
     with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-        loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"])
+        loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"], S["rank"], S["world"])
         balance = balance_loss(S["model"])  # 0 for a dense model
     mark("forward")
     S["opt"].zero_grad(set_to_none=True)
-    (loss + balance).backward()
+    (loss + balance).backward()  # DDP averages the gradients over ranks during this call
     mark("backward")
     grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
     S["opt"].step()
@@ -171,8 +191,8 @@ def batches(args, S, shards):
     (re-reading an epoch on resume recounts it from zero, so nothing is counted twice)."""
     while True:
         per_worker = {}
-        for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed,
-                                               S["epoch"], workers=args.workers)):
+        for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed, S["epoch"],
+                                               S["rank"], S["world"], workers=args.workers)):
             per_worker[b["worker"]] = b["skipped"]
             S["skipped"] = S["skipped_before"] + sum(per_worker.values())
             if i < S["batch_in_epoch"]:  # resume: these were consumed before the checkpoint
@@ -187,10 +207,16 @@ def batches(args, S, shards):
 # Checkpoints (atomic) and samples
 # -----------------------------------------------------------------------------------------------
 def save_checkpoint(S, args):
+    """Every rank calls this (each rank's data position is gathered); rank 0 writes the file."""
+    positions = [{k: S[k] for k in ("epoch", "batch_in_epoch", "skipped_before", "skipped")}] * S["world"]
+    if S["world"] > 1:
+        dist.all_gather_object(positions, positions[0])
+    if S["rank"] != 0:
+        return
     ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=S["opt"].state_dict(),
                 sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
-                data={k: S[k] for k in ("epoch", "batch_in_epoch", "skipped_before", "skipped")})
+                data=positions)  # one data position per rank
     path = os.path.join(args.out, "ckpt.pt")
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # a crash mid-write never leaves a broken ckpt.pt
@@ -207,7 +233,9 @@ def load_checkpoint(S, args):
     random.setstate(ckpt["rng"]["python"])
     S["gen"].set_state(ckpt["rng"]["gen"])
     S["step"] = ckpt["step"]
-    S.update(ckpt["data"])
+    if len(ckpt["data"]) != S["world"]:
+        raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['data'])} ranks; resume with as many")
+    S.update(ckpt["data"][S["rank"]])
 
 
 def sample_grid(S, args, path):
@@ -229,21 +257,25 @@ def main(argv=None):
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
     S = setup(args)
+    master = S["rank"] == 0  # only rank 0 prints, logs, samples and writes files
+    say = print if master else (lambda *a, **k: None)
     if args.resume:
         load_checkpoint(S, args)
-        print(f"resumed from {args.out}/ckpt.pt at step {S['step']}")
+        say(f"resumed from {args.out}/ckpt.pt at step {S['step']}")
     elif args.upcycle:  # the dense run's EMA weights seed the model, its EMA and every expert
         n = upcycle(S["model"], torch.load(args.upcycle, map_location=S["dev"], weights_only=True)["ema"])
         S["ema"].load_state_dict(S["model"].state_dict())
-        print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=1)
+        say(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
+    if master:
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1)
     total, active = count_params(S["model"])
-    print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
-          f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}")
+    say(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
+          f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}"
+        + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}" if S["world"] > 1 else ""))
     from tqdm import tqdm
-    bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True)
-    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
+    bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True, disable=not master)
+    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     t_enc = t_total = 0.0
     n_seen, t_window = 0, time.time()
     for x0, captions in batches(args, S, shards):
@@ -254,8 +286,13 @@ def main(argv=None):
         t1 = time.perf_counter()
         st = train_step(S, args, x0.to(S["dev"], non_blocking=True), text, mask)
         t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
-        n_seen += x0.shape[0]
+        n_seen += x0.shape[0] * S["world"]
         if S["step"] % args.log_every == 0 or S["step"] == args.steps:
+            if S["world"] > 1:  # log the global batch's loss, not just rank 0's share of it
+                mean = torch.tensor([st["loss"]], device=S["dev"])
+                dist.all_reduce(mean)
+                st["loss"] = mean.item() / S["world"]
+        if master and (S["step"] % args.log_every == 0 or S["step"] == args.steps):
             ips = n_seen / (time.time() - t_window)
             n_seen, t_window = 0, time.time()
             rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
@@ -267,24 +304,45 @@ def main(argv=None):
             log.flush()
             bar.set_postfix(loss=f"{st['loss']:.4f}", img_s=f"{ips:.0f}")
         bar.update(1)
-        if args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
+        if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
             acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
             log.write(json.dumps(dict(step=S["step"], sample_acc=acc)) + "\n")
         if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
             save_checkpoint(S, args)
     bar.close()
-    print(f"text encoder share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | skipped samples: {S['skipped']}")
-    sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-    if args.eval_n:
-        prompts = data.heldout_prompts(args.eval_n)
-        x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
-                          seed=args.seed, shape=(3, args.image_size, args.image_size), device=S["dev"])
-        acc = data.grade([data.to_pil(im) for im in x], [a for _, a in prompts])
-        log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
-        print(f"caption accuracy of EMA samples ({len(prompts)} held-out prompts, {args.sample_steps} steps, "
-              f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
-    log.close()
+    if master:
+        print(f"text encoder share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
+              f"skipped samples: {S['skipped']}")
+        sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
+        if args.eval_n:
+            prompts = data.heldout_prompts(args.eval_n)
+            x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
+                              seed=args.seed, shape=(3, args.image_size, args.image_size), device=S["dev"])
+            acc = data.grade([data.to_pil(im) for im in x], [a for _, a in prompts])
+            log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
+            print(f"caption accuracy of EMA samples ({len(prompts)} held-out prompts, {args.sample_steps} steps, "
+                  f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
+        log.close()
+    if S["world"] > 1:
+        finish_distributed(S)  # does not return
     return S
+
+
+def finish_distributed(S):
+    """Check the replicas agree, then leave cleanly: barrier -> destroy -> flush -> os._exit(0)
+    (gloo can abort at interpreter exit after the work is done; this order never did here)."""
+    flat = torch.cat([p.detach().flatten() for p in S["model"].parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, 0)
+    same = [None] * S["world"]
+    dist.all_gather_object(same, torch.equal(flat, ref))
+    if S["rank"] == 0:  # rank 0 has written the checkpoint; use sample.py on it
+        print(f"parameters identical on all {S['world']} ranks: {all(same)}")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
