@@ -277,6 +277,29 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
             assert torch.equal(a[k][name], b[k][name]), (k, name)
 
 
+def test_sigusr1_writes_a_checkpoint_and_the_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    import signal
+    import time
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "300", "--ckpt-every", "1000"]
+    train.main(flags + ["--out", str(tmp_path / "a")])
+    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out", str(tmp_path / "b")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    log, deadline = tmp_path / "b" / "log.jsonl", time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # what Slurm sends before the time limit
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "caught SIGUSR1: checkpoint written at step" in out, out
+    stopped = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"]
+    assert 5 <= stopped < 300  # stopped early, with a checkpoint (--ckpt-every alone would write none)
+    train.main(flags + ["--out", str(tmp_path / "b"), "--auto-resume"])
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    assert b["step"] == 300 and a["data"] == b["data"]
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+
+
 def test_sample_eval_prints_json(tmp_path, builtin16):
     out = str(tmp_path / "run")
     train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", out])

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 
@@ -68,6 +69,7 @@ def get_parser():
     a("--workers", type=int, default=1, help="data-loader worker processes")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt")
+    a("--auto-resume", action="store_true", help="resume if <out>/ckpt.pt exists, else start fresh (requeued jobs)")
     a("--log-every", type=int, default=10, help="steps between log.jsonl lines")
     a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
@@ -96,6 +98,7 @@ def get_args(argv=None, parser=None):
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ... "
                 "(or sbatch run.slurm)")
+    args.resume = args.resume or (args.auto_resume and os.path.exists(os.path.join(args.out, "ckpt.pt")))
     if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
         p.error(f"--resume: no checkpoint at {args.out}/ckpt.pt; drop --resume to start fresh")
     return args
@@ -278,8 +281,12 @@ def main(argv=None):
     log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     t_enc = t_total = 0.0
     n_seen, t_window = 0, time.time()
+    # pre-emption: Slurm sends SIGUSR1 before the time limit (#SBATCH --signal) and SIGTERM on
+    # scancel/requeue; finish the step, write a checkpoint, leave. --auto-resume picks it up.
+    caught = []
+    old = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGUSR1, signal.SIGTERM)}
     for x0, captions in batches(args, S, shards):
-        if S["step"] >= args.steps:
+        if S["step"] >= args.steps:  # (a resumed run that was already done)
             break
         t0 = time.perf_counter()
         text, mask, _ = S["encoder"](captions)  # cached per distinct caption
@@ -309,8 +316,16 @@ def main(argv=None):
             log.write(json.dumps(dict(step=S["step"], sample_acc=acc)) + "\n")
         if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
             save_checkpoint(S, args)
+        if S["step"] >= args.steps or stop_now(S, caught):  # before the next batch is fetched, so the
+            break                                            # saved data position is exact
     bar.close()
-    if master:
+    for s, handler in old.items():
+        signal.signal(s, handler)
+    if caught:
+        save_checkpoint(S, args)
+        say(f"caught {signal.Signals(caught[0]).name}: checkpoint written at step {S['step']}; "
+            f"continue with --resume (or --auto-resume)")
+    elif master:
         print(f"text encoder share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
               f"skipped samples: {S['skipped']}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
@@ -322,10 +337,21 @@ def main(argv=None):
             log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
             print(f"caption accuracy of EMA samples ({len(prompts)} held-out prompts, {args.sample_steps} steps, "
                   f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
+    if log:
         log.close()
     if S["world"] > 1:
         finish_distributed(S)  # does not return
     return S
+
+
+def stop_now(S, caught):
+    """Did this process, or any rank, receive a pre-emption signal? (All ranks stop together.)"""
+    flag = torch.tensor([float(bool(caught))], device=S["dev"])
+    if S["world"] > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not caught:
+            caught.append(signal.SIGTERM)  # another rank was told: stop here too
+    return bool(flag.item())
 
 
 def finish_distributed(S):
