@@ -53,7 +53,8 @@ def get_args(argv=None):
     p.add_argument("--warmup-iters", type=int, default=3, help="untimed steps first")
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     p.add_argument("--compare", default=None, help="FLAG=A,B[,C]: run each setting of a train.py flag in a fresh "
-                   "process (on/off for switches such as compile=off,on) and print a ratio table")
+                   "process (on/off for switches such as compile=off,on; nproc=1,2 for the world size under "
+                   "torchrun, 1 thread per process) and print a ratio table")
     p.add_argument("--repeats", type=int, default=3, help="--compare: runs per setting, alternating")
     p.add_argument("--markdown", action="store_true", help="--compare: print the table as Markdown")
     p.add_argument("--json", default=None, help="write the result JSON here (used by --compare)")
@@ -164,11 +165,18 @@ def measure(args):
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     step = [sum(ts) for ts in zip(*times.values())]
     res.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
-    res.update(step_ms=1e3 * statistics.median(step), img_per_s=B / statistics.median(step),
-               share={k: sum(v) / sum(step) for k, v in times.items()}, communication="none (one process)")
+    res.update(step_ms=1e3 * statistics.median(step), img_per_s=B * S["world"] / statistics.median(step),
+               share={k: sum(v) / sum(step) for k, v in times.items()}, world=S["world"])
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
     res["flops_per_step"] = flops_per_step(S, args, batch)
+    if S["world"] > 1:  # communication = what the gradient all-reduce adds: the same steps without it
+        quiet = {}
+        with S["fwd"].no_sync():  # (replicas drift apart from here on; nothing is saved)
+            run_steps(S, args, args.iters, get_batch, quiet)
+        alone = statistics.median(sum(ts) for ts in zip(*quiet.values()))
+        res["communication_ms"] = res["step_ms"] - 1e3 * alone
+        res["communication_share"] = res["communication_ms"] / res["step_ms"]
     res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
     res["mfu"] = res["achieved_tflops"] / peak if peak else None  # unknown peak (CPUs): none claimed
@@ -179,8 +187,11 @@ def measure(args):
         with profile(activities=acts) as prof:
             run_steps(S, args, 2, get_batch)
         res["trace"] = os.path.join(args.out, "profile", f"{args.mode}.trace.json")
-        prof.export_chrome_trace(res["trace"])
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        if S["rank"] == 0:
+            prof.export_chrome_trace(res["trace"])
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    if S["rank"]:  # rank 0 reports
+        train.leave_distributed()
     with open(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(" | ".join(f"{k} {v:.1f} ms ({100 * res['share'][k]:.1f}%)" for k, v in
@@ -191,6 +202,10 @@ def measure(args):
     if args.mode == "dataloader":
         print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
               f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
+    if S["world"] > 1:
+        print(f"{S['world']} ranks: communication {res['communication_ms']:.1f} ms "
+              f"({100 * res['communication_share']:.1f}% of the step)")
+        train.leave_distributed()
     return res
 
 
@@ -221,8 +236,14 @@ def compare(args, argv):
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
                 out = os.path.join(tmp, f"{v}-{r}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
+                env = dict(os.environ)
+                if flag == "nproc":  # world size: N processes x 1 thread each, DDP over gloo/NCCL
+                    env["OMP_NUM_THREADS"] = "1"
+                    cmd = [sys.executable, os.path.abspath(__file__), *base, "--json", out] if v == "1" else [
+                        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", v, "--master_port",
+                        str(29500 + r), os.path.abspath(__file__), *base, "--dist", "ddp", "--json", out]
                 print(f"[{r + 1}/{args.repeats}] --{flag} {v}", flush=True)
-                done = subprocess.run(cmd, capture_output=True, text=True)
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                 runs[v].append(json.load(open(out)))
@@ -246,6 +267,12 @@ def compare(args, argv):
         widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
         for l in [head] + lines:
             print("  ".join(str(x).rjust(w) for x, w in zip(l, widths)))
+    if flag == "nproc":  # scaling efficiency: N ranks' images/s over N times one rank's
+        for v in values[1:]:
+            comm = statistics.median(r["communication_share"] for r in runs[v])
+            eff = rows[v]["img_per_s"] / (int(v) * rows[values[0]]["img_per_s"]) * int(values[0])
+            print(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {values[0]}; communication "
+                  f"{100 * comm:.1f}% of the step (step time minus the same steps under DDP no_sync)")
     dev = runs[values[0]][0]["device"]
     print(f"(median of {args.repeats} fresh processes each, {args.iters} timed steps per process, device {dev}, "
           f"{runs[values[0]][0]['threads']} threads; step = the sum of all phases, range in brackets)")

@@ -489,3 +489,14 @@ def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     logs = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("one", "two")]
     assert len(logs[0]) == len(logs[1]) == 6
     assert all(abs(a - b) < 1e-4 for a, b in zip(*logs))  # the logged loss is the global batch's
+
+
+def test_profile_compares_world_sizes_with_communication_share(tmp_path):
+    tiny = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
+            "--out", str(tmp_path), "--iters", "2", "--warmup-iters", "1"]
+    r = subprocess.run([sys.executable, "profile.py", "--compare", "nproc=1,2", "--repeats", "1", *tiny],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 processes: scaling efficiency" in r.stdout
+    two = json.load(open(tmp_path / "profile" / "compare_nproc.json"))["runs"]["2"][0]
+    assert two["world"] == 2 and two["threads"] == 1 and -1 < two["communication_share"] < 1

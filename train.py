@@ -355,8 +355,7 @@ def stop_now(S, caught):
 
 
 def finish_distributed(S):
-    """Check the replicas agree, then leave cleanly: barrier -> destroy -> flush -> os._exit(0)
-    (gloo can abort at interpreter exit after the work is done; this order never did here)."""
+    """Check that the replicas agree, then leave cleanly."""
     flat = torch.cat([p.detach().flatten() for p in S["model"].parameters()])
     ref = flat.clone()
     dist.broadcast(ref, 0)
@@ -364,6 +363,12 @@ def finish_distributed(S):
     dist.all_gather_object(same, torch.equal(flat, ref))
     if S["rank"] == 0:  # rank 0 has written the checkpoint; use sample.py on it
         print(f"parameters identical on all {S['world']} ranks: {all(same)}")
+    leave_distributed()
+
+
+def leave_distributed():
+    """barrier -> destroy -> flush -> os._exit(0): gloo can abort at interpreter exit after the
+    work is done ("terminate called without an active exception"); this order never did here."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
