@@ -7,6 +7,7 @@ and counted, the judge can be trusted, training learns, and resume is bit-exact.
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -500,3 +501,53 @@ def test_profile_compares_world_sizes_with_communication_share(tmp_path):
     assert "2 processes: scaling efficiency" in r.stdout
     two = json.load(open(tmp_path / "profile" / "compare_nproc.json"))["runs"]["2"][0]
     assert two["world"] == 2 and two["threads"] == 1 and -1 < two["communication_share"] < 1
+
+
+# -----------------------------------------------------------------------------------------------
+# run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
+# -----------------------------------------------------------------------------------------------
+needs_slurm = pytest.mark.skipif(shutil.which("sbatch") is None,
+                                 reason="needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
+SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
+              "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
+
+
+def sbatch(tmp_path, flags, nproc=1, wait=True):
+    env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    cmd = ["sbatch", "--gpus-per-node=0", "--cpus-per-task=2", f"--output={tmp_path}/slurm-%j.out"]
+    return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@needs_slurm
+def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
+    r = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
+    out = "".join(open(p).read() for p in tmp_path.glob("slurm-*.out"))
+    assert r.returncode == 0, out[-3000:]
+    assert "2 ranks x 8 = global batch 16" in out and "parameters identical on all 2 ranks: True" in out
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 4
+    assert sbatch(tmp_path, ["--attn", "flash"]).returncode != 0  # sbatch --wait reports the failure
+
+
+@needs_slurm
+def test_requeued_slurm_job_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
+    import time
+    flags = SLURM_TINY + ["--steps", "400", "--log-every", "1", "--ckpt-every", "1000"]
+    job = sbatch(tmp_path, flags + ["--out", str(tmp_path / "b")], wait=False).stdout.strip().split(";")[0]
+    log, deadline = tmp_path / "b" / "log.jsonl", time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
+        time.sleep(0.1)
+    subprocess.run(["scontrol", "requeue", job], check=True)  # pre-empted: SIGTERM, then back in the queue
+    train.main(flags + ["--out", str(tmp_path / "a")])  # meanwhile: the same run, uninterrupted
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.time() < deadline + 400, "requeued job did not finish"
+        time.sleep(1)
+    out = "".join(open(p).read() for p in tmp_path.glob("slurm-*.out"))
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state
+    assert "resumed from" in out  # from the checkpoint the SIGTERM handler wrote (--ckpt-every 1000)
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    assert b["step"] == 400
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name

@@ -339,7 +339,7 @@ def main(argv=None):
                   f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
     if log:
         log.close()
-    if S["world"] > 1:
+    if args.dist == "ddp":
         finish_distributed(S)  # does not return
     return S
 
