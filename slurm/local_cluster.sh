@@ -33,8 +33,8 @@ SlurmdLogFile=/var/log/slurm/slurmd.log
 $node State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
-pgrep -x slurmctld >/dev/null || slurmctld
-pgrep -x slurmd >/dev/null || slurmd
+pgrep -x slurmctld >/dev/null || slurmctld -c   # -c: forget jobs of a previous life (stale "running" ones)
+pgrep -x slurmd >/dev/null || slurmd -c
 for _ in $(seq 60); do
   sinfo -h -o %T 2>/dev/null | grep -q idle && { sinfo; exit 0; }
   sleep 1
