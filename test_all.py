@@ -503,6 +503,32 @@ def test_profile_compares_world_sizes_with_communication_share(tmp_path):
     assert two["world"] == 2 and two["threads"] == 1 and -1 < two["communication_share"] < 1
 
 
+def torchrun(tmp_path, nproc, flags):
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                        free_port(), "train.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(tmp_path):
+    flags = TINY + ["--image-size", "16", "--steps", "5", "--lr", "2e-3", "--warmup", "2", "--batch-size", "8",
+                    "--workers", "1"]
+    one = torchrun(tmp_path, 1, flags + ["--dist", "deepspeed", "--out", str(tmp_path / "ds1")])
+    two = torchrun(tmp_path, 2, flags + ["--dist", "deepspeed", "--out", str(tmp_path / "ds2")])
+    ddp = torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "ddp")])
+    assert "zero_optimization" in two and "parameters identical on all 2 ranks: True" in two
+    bytes1 = json.loads(one.split("optimizer state bytes per rank: ")[1].splitlines()[0])
+    bytes2 = json.loads(two.split("optimizer state bytes per rank: ")[1].splitlines()[0])
+    for b in bytes2:
+        assert 0.50 <= b / bytes1[0] <= 0.55, (bytes1, bytes2)
+    assert json.loads(ddp.split("optimizer state bytes per rank: ")[1].splitlines()[0])[0] > 1.8 * bytes2[0]
+    losses = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("ds2", "ddp")]
+    assert len(losses[0]) == 5 and all(abs(a - b) < 1e-3 * max(1, abs(b)) for a, b in zip(*losses)), losses
+    ckpt = torch.load(tmp_path / "ds2" / "ckpt.pt", weights_only=True)  # consolidated: sample.py can load it
+    DiT(**ckpt["config"]).load_state_dict(ckpt["ema"])
+
+
 # -----------------------------------------------------------------------------------------------
 # run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
 # -----------------------------------------------------------------------------------------------

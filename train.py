@@ -52,8 +52,9 @@ def get_parser():
     a("--moe-impl", default="sorted", choices=["loop", "sorted"], help="MoE dispatch: readable loop or sorted slices")
     a("--expert-hidden", type=int, default=None, help="hidden size of each expert (default: dense / (topk + shared))")
     a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
-    a("--dist", default="none", choices=["none", "ddp"], help="none: one process; ddp: PyTorch DDP under "
-      "torchrun (gloo on CPU, NCCL on CUDA), global batch = --batch-size x world size")
+    a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="none: one process; ddp: PyTorch DDP "
+      "under torchrun (gloo on CPU, NCCL on CUDA); deepspeed: ZeRO-2 under torchrun. Global batch = "
+      "--batch-size x world size")
     a("--attn", default="sdpa", choices=["manual", "sdpa"],
       help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
     a("--batch-size", type=int, default=64, help="images per step (per rank)")
@@ -101,6 +102,9 @@ def get_args(argv=None, parser=None):
     args.resume = args.resume or (args.auto_resume and os.path.exists(os.path.join(args.out, "ckpt.pt")))
     if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
         p.error(f"--resume: no checkpoint at {args.out}/ckpt.pt; drop --resume to start fresh")
+    if args.resume and args.dist == "deepspeed":
+        p.error("--resume with --dist deepspeed is not implemented yet (its optimizer state is partitioned "
+                "over ranks); resume such a run with --dist ddp, or start fresh")
     return args
 
 
@@ -111,7 +115,7 @@ def setup(args):
     """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop uses."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rank, local_rank, world = 0, 0, 1
-    if args.dist == "ddp":  # torchrun sets these; plain `python train.py` never gets here
+    if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
         rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         if dev == "cuda":
             torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
@@ -145,11 +149,32 @@ def setup(args):
     # keeps its own slice, so a run does not depend on how its batch is split over ranks
     gen = torch.Generator(dev).manual_seed(args.seed)
     fwd = torch.compile(model) if args.compile else model  # EMA, samples, ckpts use the plain module
-    if world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
+    engine = None
+    if args.dist == "deepspeed":
+        engine = deepspeed_engine(args, model, opt, rank)
+        fwd = engine  # engine(...) runs the model; engine.backward/step do the rest
+    elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
-    return dict(dev=dev, rank=rank, world=world, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
+    return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
                 sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0, skipped=0)
+
+
+def deepspeed_engine(args, model, opt, rank):
+    """DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned over ranks, parameters
+    replicated. Our torch AdamW is passed in (no fused_adam JIT build); clipping as in the others."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise SystemExit("--dist deepspeed needs DeepSpeed: pip install -r requirements.txt") from e
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
+    config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
+    if rank == 0:
+        print("deepspeed config:", json.dumps(config))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
 
 
 # -----------------------------------------------------------------------------------------------
@@ -172,11 +197,17 @@ def train_step(S, args, x0, text, mask, mark=None):
         loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"], S["rank"], S["world"])
         balance = balance_loss(S["model"])  # 0 for a dense model
     mark("forward")
-    S["opt"].zero_grad(set_to_none=True)
-    (loss + balance).backward()  # DDP averages the gradients over ranks during this call
-    mark("backward")
-    grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
-    S["opt"].step()
+    if S["engine"] is not None:  # DeepSpeed: reduce-scatter gradients, clip, step its partition
+        S["engine"].backward(loss + balance)
+        mark("backward")
+        S["engine"].step()
+        grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0))
+    else:
+        S["opt"].zero_grad(set_to_none=True)
+        (loss + balance).backward()  # DDP averages the gradients over ranks during this call
+        mark("backward")
+        grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
+        S["opt"].step()
     S["sched"].step()
     S["step"] += 1
     decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
@@ -216,7 +247,9 @@ def save_checkpoint(S, args):
         dist.all_gather_object(positions, positions[0])
     if S["rank"] != 0:
         return
-    ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=S["opt"].state_dict(),
+    # (ZeRO-2 partitions the optimizer state: its ckpt keeps model + EMA, consolidated, for sample.py)
+    opt = S["opt"].state_dict() if S["engine"] is None else None
+    ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=opt,
                 sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
                 data=positions)  # one data position per rank
@@ -339,7 +372,7 @@ def main(argv=None):
                   f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
     if log:
         log.close()
-    if args.dist == "ddp":
+    if args.dist != "none":
         finish_distributed(S)  # does not return
     return S
 
@@ -359,10 +392,13 @@ def finish_distributed(S):
     flat = torch.cat([p.detach().flatten() for p in S["model"].parameters()])
     ref = flat.clone()
     dist.broadcast(ref, 0)
-    same = [None] * S["world"]
+    same, opt_bytes = [None] * S["world"], [None] * S["world"]
     dist.all_gather_object(same, torch.equal(flat, ref))
+    mine = sum(v.numel() * v.element_size() for st in S["opt"].state.values() for v in st.values() if torch.is_tensor(v))
+    dist.all_gather_object(opt_bytes, mine)  # ZeRO-2: each rank holds only its partition
     if S["rank"] == 0:  # rank 0 has written the checkpoint; use sample.py on it
         print(f"parameters identical on all {S['world']} ranks: {all(same)}")
+        print(f"optimizer state bytes per rank: {opt_bytes}")
     leave_distributed()
 
 
