@@ -4,8 +4,10 @@ Reads in execution order: flags -> device -> data, frozen text encoder, model, E
 schedule -> (resume) -> the loop (batch -> encode captions -> drop 10% of them -> flow loss ->
 AdamW step -> EMA) with logging, sample grids and atomic checkpoints -> final judged accuracy.
 
-Everything lives in functions and runs only under __main__, so the tests (and later profile.py)
-reuse the very same parser and step. Resume is exact: the checkpoint holds model, EMA, optimiser,
+Distributed runs are the same file under torchrun (`--dist ddp` or `--dist deepspeed`), keyed off
+the RANK variable torchrun sets, so plain `python train.py` needs no launcher. Everything lives in
+functions and runs only under __main__, so the tests and profile.py reuse the very same parser
+and step. Resume is exact: the checkpoint holds model, EMA, optimiser,
 schedule, step, flags, every RNG state and the data position (epoch, batch within the epoch); the
 data order is a pure function of (seed, epoch, rank, worker), so skipping the consumed batches of
 the current epoch puts the stream exactly where it was.
