@@ -169,12 +169,6 @@ class DiT(nn.Module):
         for b in self.blocks:
             b.attn = impl
 
-    def set_moe_impl(self, impl):
-        """Switch every MoE layer between 'loop' and 'sorted' dispatch (weights unchanged)."""
-        for m in self.modules():
-            if isinstance(m, MoE):
-                m.impl = impl
-
     def unpatchify(self, x):
         """(B, N, p*p*C) -> (B, C, H, W)."""
         B, n, p, C = x.shape[0], self.n_side, self.p, self.C
