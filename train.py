@@ -158,7 +158,8 @@ def setup(args):
     elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
-    return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, config=config, model=model, fwd=fwd, ema=ema, opt=opt,
+    return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, config=config, model=model,
+                fwd=fwd, ema=ema, opt=opt,
                 sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0, skipped=0)
 
 
@@ -276,14 +277,14 @@ def load_checkpoint(S, args):
     S.update(ckpt["data"][S["rank"]])
 
 
-def sample_grid(S, args, path):
-    """EMA samples of every held-out colour x shape x position (fixed noise) -> PNG grid, one row
-    per colour; returns the judge's accuracy on them (a cheap learning curve for log.jsonl)."""
-    prompts = data.heldout_prompts(1)
+def sample_grid(S, args, path, n_each=1, seed=1234):
+    """EMA samples of every held-out colour x shape x position, n_each times (fixed noise) -> the
+    judge's accuracy on them; the first of each go to a PNG grid, one row per colour."""
+    prompts = data.heldout_prompts(n_each)
     x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
-                      seed=1234, shape=(3, args.image_size, args.image_size), device=S["dev"])
+                      seed=seed, shape=(3, args.image_size, args.image_size), device=S["dev"])
     images = [data.to_pil(im) for im in x]
-    data.save_grid(images, path, nrow=len(data.SHAPES) * len(data.POSITIONS))
+    data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
     return data.grade(images, [a for _, a in prompts])
 
 
@@ -310,7 +311,8 @@ def main(argv=None):
     total, active = count_params(S["model"])
     say(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
           f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}"
-        + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}" if S["world"] > 1 else ""))
+        + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}"
+           if S["world"] > 1 else ""))
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True, disable=not master)
     log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
@@ -329,12 +331,12 @@ def main(argv=None):
         st = train_step(S, args, x0.to(S["dev"], non_blocking=True), text, mask)
         t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
         n_seen += x0.shape[0] * S["world"]
-        if S["step"] % args.log_every == 0 or S["step"] == args.steps:
-            if S["world"] > 1:  # log the global batch's loss, not just rank 0's share of it
-                mean = torch.tensor([st["loss"]], device=S["dev"])
-                dist.all_reduce(mean)
-                st["loss"] = mean.item() / S["world"]
-        if master and (S["step"] % args.log_every == 0 or S["step"] == args.steps):
+        logging_step = S["step"] % args.log_every == 0 or S["step"] == args.steps
+        if logging_step and S["world"] > 1:  # log the global batch's loss, not just rank 0's share
+            mean = torch.tensor([st["loss"]], device=S["dev"])
+            dist.all_reduce(mean)
+            st["loss"] = mean.item() / S["world"]
+        if master and logging_step:
             ips = n_seen / (time.time() - t_window)
             n_seen, t_window = 0, time.time()
             rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
@@ -364,14 +366,11 @@ def main(argv=None):
         print(f"text encoder share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
               f"skipped samples: {S['skipped']}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-        if args.eval_n:
-            prompts = data.heldout_prompts(args.eval_n)
-            x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
-                              seed=args.seed, shape=(3, args.image_size, args.image_size), device=S["dev"])
-            acc = data.grade([data.to_pil(im) for im in x], [a for _, a in prompts])
+        if args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
+            acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed)
             log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
-            print(f"caption accuracy of EMA samples ({len(prompts)} held-out prompts, {args.sample_steps} steps, "
-                  f"cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
+            print(f"caption accuracy of EMA samples ({args.eval_n * len(data.heldout_prompts(1))} held-out prompts, "
+                  f"{args.sample_steps} steps, cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
     if log:
         log.close()
     if args.dist != "none":
@@ -381,11 +380,12 @@ def main(argv=None):
 
 def stop_now(S, caught):
     """Did this process, or any rank, receive a pre-emption signal? (All ranks stop together.)"""
+    if S["world"] == 1:
+        return bool(caught)  # no tensor, no device sync in the hot loop
     flag = torch.tensor([float(bool(caught))], device=S["dev"])
-    if S["world"] > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not caught:
-            caught.append(signal.SIGTERM)  # another rank was told: stop here too
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not caught:
+        caught.append(signal.SIGTERM)  # another rank was told: stop here too
     return bool(flag.item())
 
 
