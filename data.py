@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import warnings
 
 import numpy as np
@@ -186,15 +187,21 @@ def grade(images, attrs):
 # -----------------------------------------------------------------------------------------------
 # Images <-> tensors
 # -----------------------------------------------------------------------------------------------
-def to_tensor(img, size):
-    """PIL image -> (3, size, size) float in [-1, 1]; other sizes are cover-resized and centre-cropped."""
+def cover_crop(img, size):
+    """Cover-resize (bicubic; Pillow antialiases when shrinking) so the short side is `size`, then
+    centre-crop to size x size: deterministic, the same crop on every run and every machine."""
     img = img.convert("RGB")
     if img.size != (size, size):
         s = size / min(img.size)
         img = img.resize((max(size, round(img.width * s)), max(size, round(img.height * s))), Image.BICUBIC)
         l, t = (img.width - size) // 2, (img.height - size) // 2
         img = img.crop((l, t, l + size, t + size))
-    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 127.5 - 1
+    return img
+
+
+def to_tensor(img, size):
+    """PIL image -> (3, size, size) float in [-1, 1] (other sizes go through cover_crop)."""
+    return torch.from_numpy(np.asarray(cover_crop(img, size)).copy()).permute(2, 0, 1).float() / 127.5 - 1
 
 
 def to_pil(x):
@@ -218,7 +225,13 @@ def save_grid(images, path, nrow=8, scale=2):
 # WebDataset streaming: shards -> (rank, worker) split -> samples -> shuffle buffer -> batches
 # -----------------------------------------------------------------------------------------------
 def decode_sample(s, size):
-    """Raw tar sample -> (image tensor, caption); raises on anything unusable."""
+    """Tar sample -> dict: raw {image (3, size, size), caption} or precomputed {latent, text, mask};
+    raises on anything unusable."""
+    if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
+        arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
+        if arr["text"].shape[0] != arr["mask"].shape[0]:
+            raise ValueError("text.npy and mask.npy disagree in length")
+        return arr
     key = next((k for k in ("png", "jpg", "jpeg", "webp") if k in s), None)
     if key is None:
         raise ValueError("no image (png/jpg/jpeg/webp) in sample")
@@ -226,14 +239,25 @@ def decode_sample(s, size):
         raise ValueError("no caption (txt) in sample")
     img = Image.open(io.BytesIO(s[key]))
     img.load()
-    return to_tensor(img, size), s["txt"].decode("utf-8")
+    return dict(image=to_tensor(img, size), caption=s["txt"].decode("utf-8"))
+
+
+def collate(items):
+    """Samples -> a batch: images stacked, captions listed; precomputed text padded to the longest."""
+    if "image" in items[0]:
+        return dict(image=torch.stack([x["image"] for x in items]), caption=[x["caption"] for x in items])
+    L, D = max(x["text"].shape[0] for x in items), items[0]["text"].shape[1]
+    text, mask = torch.zeros(len(items), L, D, dtype=items[0]["text"].dtype), torch.zeros(len(items), L, dtype=torch.bool)
+    for i, x in enumerate(items):
+        text[i, :len(x["text"])], mask[i, :len(x["mask"])] = x["text"], x["mask"]
+    return dict(latent=torch.stack([x["latent"] for x in items]), text=text, mask=mask)
 
 
 class ShardStream(torch.utils.data.IterableDataset):
     """One epoch of batches for one rank, deterministic in (seed, epoch, rank, worker).
 
-    Yields dicts {image (B, 3, H, W), caption [B], worker, skipped}; `skipped` is that worker's
-    running count of bad samples (the trainer sums the latest count of each worker).
+    Yields collate()'s dicts plus `worker` and `skipped`, that worker's running count of bad
+    samples (the trainer sums the latest count of each worker).
     """
 
     def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000):
@@ -261,19 +285,17 @@ class ShardStream(torch.utils.data.IterableDataset):
             return True
 
         raw = wds.tarfile_samples(({"url": u} for u in mine), handler=on_error)
-        images, captions = [], []
+        items = []
         for s in _shuffled(raw, self.buffer, rng):
             try:
-                img, cap = decode_sample(s, self.size)
+                items.append(decode_sample(s, self.size))
             except Exception as e:  # undecodable image, missing caption, ...
                 skipped += 1
                 warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
                 continue
-            images.append(img)
-            captions.append(cap)
-            if len(images) == self.B:
-                yield dict(image=torch.stack(images), caption=captions, worker=wid, skipped=skipped)
-                images, captions = [], []
+            if len(items) == self.B:
+                yield dict(collate(items), worker=wid, skipped=skipped)
+                items = []
         # the final partial batch is dropped so every step sees the same batch size
 
 
@@ -325,10 +347,8 @@ class TextEncoder:
                 self.model = CLIPTextModel.from_pretrained(path)
             else:
                 self.model = AutoModel.from_pretrained(path)
-        except OSError as e:
-            raise SystemExit(f"--text-encoder {name!r} could not be loaded ({e}).\nOffline, pre-cache it where "
-                             f"the network works: `huggingface-cli download {name}` (honours HF_HOME), or pass a "
-                             f"local folder saved with save_pretrained.") from e
+        except (OSError, ValueError) as e:
+            raise SystemExit(cannot_load("--text-encoder", name, e)) from e
         self.model.eval().requires_grad_(False).to(device)
         self.device, self.dim = device, self.model.config.hidden_size
         self.max_len = max_len or (77 if self.is_clip else 32)
@@ -364,18 +384,216 @@ class TextEncoder:
         return tokens, mask, torch.stack([self.cache[c][1] for c in captions])
 
 
-def load_vae(name):
-    """--vae: only 'none' (pixel space) exists so far; the latent path is a later issue."""
-    if name != "none":
-        raise SystemExit(f"--vae {name!r}: latent (VAE) training is not implemented yet; use --vae none")
-    return None
+def cannot_load(flag, name, err):
+    """The error for a model that is neither a local folder nor in the Hugging Face cache."""
+    return (f"{flag} {name!r} could not be loaded ({type(err).__name__}: {str(err)[:300]}).\nWithout network, "
+            f"pre-cache it where the network works: `huggingface-cli download {name}` (into $HF_HOME, default "
+            f"~/.cache/huggingface; copy that folder over), or pass a local folder written by save_pretrained.")
+
+
+class VAE:
+    """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <-> latents (B, C, H/f, W/f).
+
+    Latents are multiplied by the VAE's scaling_factor (0.18215 for SD's) so they have roughly unit
+    variance, like the noise they are mixed with. We take the posterior *mean*, not a sample: the
+    SD VAE's posterior std is tiny next to the latents' spread, and a deterministic encoding makes
+    precomputed and online training identical and resume exact.
+    """
+
+    def __init__(self, name, device="cpu"):
+        from diffusers import AutoencoderKL
+        try:
+            self.model = AutoencoderKL.from_pretrained(name, low_cpu_mem_usage=False)  # local folder or cached hub id
+        except (OSError, ValueError) as e:
+            raise SystemExit(cannot_load("--vae", name, e)) from e
+        self.model.eval().requires_grad_(False).to(device)
+        c, self.device = self.model.config, device
+        self.channels, self.factor = c.latent_channels, 2 ** (len(c.block_out_channels) - 1)
+        self.scale, self.shift = c.scaling_factor, c.shift_factor or 0.0  # (shift: SD3/Flux VAEs)
+
+    @torch.no_grad()
+    def encode(self, x):
+        return (self.model.encode(x.to(self.device)).latent_dist.mean - self.shift) * self.scale
+
+    @torch.no_grad()
+    def decode(self, z):
+        return self.model.decode(z.to(self.device).float() / self.scale + self.shift).sample.clamp(-1, 1)
+
+
+def load_vae(name, device="cpu"):
+    """--vae: 'none' = pixel space (None), else a frozen VAE from a hub id or a local folder."""
+    return None if name == "none" else VAE(name, device)
+
+
+# -----------------------------------------------------------------------------------------------
+# Offline tools: `python data.py shards` (image folder -> shards) and `python data.py precompute`
+# -----------------------------------------------------------------------------------------------
+def list_images(src):
+    """Image folder (captions in sidecar .txt) or a .csv / .jsonl of path,caption -> [(path, caption)]."""
+    if os.path.isdir(src):
+        exts = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+        files = sorted(f for f in os.listdir(src) if f.lower().endswith(exts))
+        return [(os.path.join(src, f), open(os.path.join(src, os.path.splitext(f)[0] + ".txt")).read().strip()
+                 if os.path.exists(os.path.join(src, os.path.splitext(f)[0] + ".txt")) else None) for f in files]
+    root = os.path.dirname(os.path.abspath(src))
+    if src.endswith(".csv"):
+        import csv
+        rows = list(csv.DictReader(open(src, newline="")))
+    elif src.endswith(".jsonl"):
+        rows = [json.loads(line) for line in open(src) if line.strip()]
+    else:
+        raise SystemExit(f"{src}: give an image folder (with .txt captions), a .csv or a .jsonl of path,caption")
+    return [(os.path.join(root, r["path"]), r.get("caption")) for r in rows]
+
+
+def sha256(path):
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_shards(src, out, size=256, per_shard=1000, quality=95):
+    """Images -> WebDataset shards {__key__, jpg, txt, json} + manifest.json (sha256, counts, skips).
+    Cover-resize (bicubic, antialiased) + centre crop to size; images smaller than `size` are skipped,
+    never upsampled (the seed's LAION export rule); corrupt images are skipped and listed."""
+    from tqdm import tqdm
+    items, skipped, shards, sink = list_images(src), [], [], None
+    os.makedirs(out, exist_ok=True)
+    for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
+        try:
+            img = Image.open(path)
+            img.load()
+        except Exception as e:
+            skipped.append(dict(path=path, reason=f"unreadable: {e}"))
+            continue
+        if caption is None or min(img.size) < size:
+            skipped.append(dict(path=path, reason="no caption" if caption is None else f"smaller than {size}: {img.size}"))
+            continue
+        if sink is None or shards[-1]["samples"] == per_shard:
+            if sink:
+                sink.close()
+            shards.append(dict(name=f"shard-{len(shards):05d}.tar", samples=0))
+            sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)  # mtime: same bytes every run
+        buf = io.BytesIO()
+        cover_crop(img, size).save(buf, "JPEG", quality=quality)
+        key = f"{sum(s['samples'] for s in shards):09d}"
+        sink.write({"__key__": key, "jpg": buf.getvalue(), "txt": caption,
+                    "json": dict(src=os.path.relpath(path, os.path.dirname(os.path.abspath(src))), size=img.size)})
+        shards[-1]["samples"] += 1
+    if sink:
+        sink.close()
+    for s in shards:
+        os.replace(os.path.join(out, s["name"] + ".tmp"), os.path.join(out, s["name"]))
+        s["sha256"] = sha256(os.path.join(out, s["name"]))
+    manifest = dict(size=size, quality=quality, samples=sum(s["samples"] for s in shards), shards=shards, skipped=skipped)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    print(f"{manifest['samples']} images -> {len(shards)} shards in {out}; {len(skipped)} skipped"
+          + "".join(f"\n  skipped {s['path']}: {s['reason']}" for s in skipped))
+    return manifest
+
+
+def verify_shards(out):
+    """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    bad = []
+    for s in manifest["shards"]:
+        p = os.path.join(out, s["name"])
+        if not os.path.exists(p):
+            bad.append(f"{s['name']}: missing")
+        elif sha256(p) != s["sha256"]:
+            bad.append(f"{s['name']}: sha256 differs from the manifest")
+        elif sum(1 for _ in wds.tarfile_samples([{"url": p}])) != s["samples"]:
+            bad.append(f"{s['name']}: sample count differs from the manifest")
+    print(f"{out}: {len(manifest['shards'])} shards, {manifest['samples']} samples: " + ("OK" if not bad else "BAD\n  " + "\n  ".join(bad)))
+    return bad
+
+
+def npy(a):
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
+    """Raw shards -> shards of {latent.npy (fp16), text.npy (fp16, real tokens), mask.npy, txt} through
+    the frozen encoders, one output shard per input shard, same sample order. Resumable: a finished
+    shard exists under its final name (written to .tmp, then renamed) and is skipped."""
+    from tqdm import tqdm
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shards, enc, ae = resolve_shards(src, image_size), TextEncoder(text_encoder, device), load_vae(vae, device)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "precompute.json"), "w") as f:  # train.py checks its flags against this
+        json.dump(dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src), f, indent=1)
+    todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
+    print(f"{len(shards) - len(todo)} of {len(shards)} shards already done")
+    skipped = 0
+    for shard in tqdm(todo, desc=f"precompute -> {out}", unit="shard"):
+        dst = os.path.join(out, os.path.basename(shard))
+        with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
+            samples = list(wds.tarfile_samples([{"url": shard}], handler=lambda e: warnings.warn(repr(e)) or True))
+            for i in range(0, len(samples), batch_size):
+                ok, items = [], []
+                for s in samples[i:i + batch_size]:
+                    try:
+                        items.append(decode_sample(s, image_size))
+                        ok.append(s)
+                    except Exception as e:
+                        skipped += 1
+                        warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {shard}: {e}")
+                if not items:
+                    continue
+                b = collate(items)
+                x = b["image"] if ae is None else ae.encode(b["image"])
+                text, mask, _ = enc(b["caption"])
+                for j, s in enumerate(ok):
+                    n = int(mask[j].sum())
+                    sink.write({"__key__": s["__key__"], "latent.npy": npy(x[j].cpu().half().numpy()),
+                                "text.npy": npy(text[j, :n].cpu().half().numpy()),
+                                "mask.npy": npy(mask[j, :n].cpu().numpy()), "txt": b["caption"][j]})
+        os.replace(dst + ".tmp", dst)
+    print(f"{len(shards)} shards in {out}; bad samples skipped: {skipped}")
+
+
+def precomputed_meta(shards):
+    """precompute.json next to the shards (None for raw shards)."""
+    p = os.path.join(os.path.dirname(shards[0]), "precompute.json")
+    return json.load(open(p)) if os.path.exists(p) else None
 
 
 if __name__ == "__main__":
-    shards = resolve_shards(BUILTIN, 32)
-    print(f"{len(shards)} shards; judge on the images of the first two shards:")
-    imgs, attrs = [], []
-    for s in wds.tarfile_samples({"url": u} for u in shards[:2]):
-        imgs.append(Image.open(io.BytesIO(s["png"])))
-        attrs.append(json.loads(s["json"]))
-    print(grade(imgs, attrs))
+    import argparse
+    p = argparse.ArgumentParser(description="Built-in data check (no arguments), shard converter, precompute.")
+    sub = p.add_subparsers(dest="cmd")
+    s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json")
+    s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption")
+    s.add_argument("out", help="output folder for shard-XXXXX.tar and manifest.json")
+    s.add_argument("--size", type=int, default=256, help="square side in pixels (smaller images are skipped)")
+    s.add_argument("--per-shard", type=int, default=1000, help="images per shard")
+    s.add_argument("--quality", type=int, default=95, help="JPEG quality")
+    s.add_argument("--verify", action="store_true", help="only check <out> against its manifest.json")
+    c = sub.add_parser("precompute", help="raw shards -> shards of fp16 latents + text states + mask")
+    c.add_argument("src", help="raw shard folder (or 'builtin')")
+    c.add_argument("out", help="output folder (finished shards are skipped, so rerun to resume)")
+    c.add_argument("--vae", default="none", help="as train.py --vae: 'none' keeps pixels, else hub id / folder")
+    c.add_argument("--text-encoder", default="minilm", help="as train.py --text-encoder")
+    c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
+    c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
+    a = p.parse_args()
+    if a.cmd == "shards" and a.verify:
+        sys.exit(1 if verify_shards(a.out) else 0)
+    elif a.cmd == "shards":
+        write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
+    elif a.cmd == "precompute":
+        precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
+    else:
+        shards = resolve_shards(BUILTIN, 32)
+        print(f"{len(shards)} shards; judge on the images of the first two shards:")
+        imgs, attrs = [], []
+        for s in wds.tarfile_samples({"url": u} for u in shards[:2]):
+            imgs.append(Image.open(io.BytesIO(s["png"])))
+            attrs.append(json.loads(s["json"]))
+        print(grade(imgs, attrs))

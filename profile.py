@@ -5,6 +5,8 @@ side by side.
     python profile.py compute --moe 8 --trace        # + a torch.profiler Chrome trace
     python profile.py --compare moe=0,8              # each setting in a fresh process, alternating
     python profile.py --compare moe-impl=loop,sorted --moe 8 --markdown
+    python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
+    python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
 
 Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the
 default run with one flag flipped". Each measurement runs in a fresh process, so memory is clean;
@@ -44,7 +46,7 @@ def get_args(argv=None):
     p = train.get_parser()
     p.description = "Profile one training step of train.py, or compare two settings of one flag."
     p.add_argument("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader"],
-                   help="compute: the model step on a fixed batch; full: the real loop (data wait, text encoder, "
+                   help="compute: the model step on a fixed batch; full: the real loop (data wait, frozen encoders, "
                    "forward, backward, optimizer); dataloader: the input pipeline alone vs the model")
     p.add_argument("--loader-batches", type=int, default=50, help="dataloader: batches timed")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s of the device for MFU (GPUs in "
@@ -54,7 +56,7 @@ def get_args(argv=None):
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     p.add_argument("--compare", default=None, help="FLAG=A,B[,C]: run each setting of a train.py flag in a fresh "
                    "process (on/off for switches such as compile=off,on; nproc=1,2 for the world size under "
-                   "torchrun, 1 thread per process) and print a ratio table")
+                   "torchrun, 1 thread per process; dist=ddp,deepspeed with 2 ranks each) and print a ratio table")
     p.add_argument("--repeats", type=int, default=3, help="--compare: runs per setting, alternating")
     p.add_argument("--markdown", action="store_true", help="--compare: print the table as Markdown")
     p.add_argument("--json", default=None, help="write the result JSON here (used by --compare)")
@@ -86,7 +88,7 @@ def fixed_batch(args, S):
         imgs.append(data.to_tensor(data.render(a["color"], a["shape"], a["position"], args.image_size, rng),
                                    args.image_size))
     S["encoder"](caps)  # fill the cache
-    return torch.stack(imgs), caps
+    return dict(image=torch.stack(imgs), caption=caps)
 
 
 def run_steps(S, args, n, get_batch, times=None):
@@ -104,19 +106,22 @@ def run_steps(S, args, n, get_batch, times=None):
             if times is not None:
                 times.setdefault(phase, []).append(now - last[0])
             last[0] = now
-        x0, caps = get_batch()
+        b = get_batch()
         mark("data_wait")
-        text, mask, _ = S["encoder"](caps)
-        mark("text_encoder")
-        train.train_step(S, args, x0.to(S["dev"]), text, mask, mark)
+        x0, text, mask = train.encode_batch(S, b)  # frozen VAE + text encoder, or precomputed
+        mark("encoders")
+        train.train_step(S, args, x0, text, mask, mark)
 
 
 def flops_per_step(S, args, batch):
-    """FLOPs of one forward + backward, counted by torch's FlopCounterMode (matmuls, attention)."""
+    """FLOPs of one training step of the DiT (frozen encoders not counted), by torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    import train
     state = {k: v.state_dict() for k, v in S.items() if k in ("model", "ema", "opt", "sched")}
+    x0, text, mask = train.encode_batch(S, batch)
     with FlopCounterMode(display=False) as fc:
-        run_steps(S, args, 1, lambda: batch)
+        train.train_step(S, args, x0, text, mask)
     for k, v in state.items():  # that step was only counted: undo it
         S[k].load_state_dict(v)
     S["step"] -= 1
@@ -151,7 +156,7 @@ def measure(args):
             if i == 0:
                 t0, first = time.perf_counter(), time.perf_counter() - t0
             elif i <= args.loader_batches:
-                n += b["image"].shape[0]
+                n += B
             else:
                 break
         res.update(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
@@ -170,7 +175,9 @@ def measure(args):
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
     res["flops_per_step"] = flops_per_step(S, args, batch)
-    if S["world"] > 1:  # communication = what the gradient all-reduce adds: the same steps without it
+    res["opt_state_mb"] = sum(v.numel() * v.element_size() for st in S["opt"].state.values()
+                              for v in st.values() if torch.is_tensor(v)) / 2 ** 20  # this rank's share (ZeRO)
+    if S["world"] > 1 and S["engine"] is None:  # DDP communication = what the all-reduce adds: the same steps without it
         quiet = {}
         with S["fwd"].no_sync():  # (replicas drift apart from here on; nothing is saved)
             run_steps(S, args, args.iters, get_batch, quiet)
@@ -237,28 +244,29 @@ def compare(args, argv):
                 out = os.path.join(tmp, f"{v}-{r}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
                 env = dict(os.environ)
-                if flag == "nproc":  # world size: N processes x 1 thread each, DDP over gloo/NCCL
+                if flag in ("nproc", "dist"):  # N processes x 1 thread each under torchrun (dist: 2 ranks)
                     env["OMP_NUM_THREADS"] = "1"
-                    cmd = [sys.executable, os.path.abspath(__file__), *base, "--json", out] if v == "1" else [
-                        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", v, "--master_port",
-                        str(29500 + r), os.path.abspath(__file__), *base, "--dist", "ddp", "--json", out]
+                    n, mode = (v, "ddp") if flag == "nproc" else ("2", v)
+                    cmd = [sys.executable, os.path.abspath(__file__), *base, "--json", out] if n == "1" else [
+                        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port",
+                        str(29500 + r), os.path.abspath(__file__), *base, "--dist", mode, "--json", out]
                 print(f"[{r + 1}/{args.repeats}] --{flag} {v}", flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                 runs[v].append(json.load(open(out)))
-    phases = ("data_wait", "text_encoder") * (args.mode == "full") + PHASES
-    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb"]
+    phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
+    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "opt_state_mb"]
     rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
     ref = rows[values[0]]
     head = ([f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:len(phases) + 1]] +
-            ["img/s", "peak MB", f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
+            ["img/s", "peak MB", "optimizer state MB/rank", f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
     lines = []
     for v, row in rows.items():
         lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
         lines.append([v] + [f"{row[k]:.1f}" for k in keys[:len(phases)]] + [
                      f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}",
-                     f"{row['peak_mem_mb']:.0f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
+                     f"{row['peak_mem_mb']:.0f}", f"{row['opt_state_mb']:.2f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
                      f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
     if args.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

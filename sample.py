@@ -8,11 +8,24 @@
 saw in training (data.HELDOUT_TEMPLATES), samples them from the EMA weights, and lets the judge
 (data.judge) name the colour, shape and position of each picture. Checkpoints load with
 weights_only=True: they hold tensors and plain Python values only, so loading runs no pickled code.
+
+Metrics for any data (torchmetrics), added to the same JSON line:
+    python sample.py --ckpt ... --eval --real shards/ --features inception.pt --clip-model openai/clip-vit-base-patch32
+  * `--real`: FID and Inception Score of samples drawn from the captions of real shards, against their
+    images. The feature network is pluggable: `--features net.pt` is a TorchScript file taking uint8
+    (N, 3, H, W) and returning features, or (features, logits): FID uses the first, IS the second.
+    `--features inception` is torchmetrics' own InceptionV3, which needs the torch-fidelity package;
+    that package requires torchvision, whose PyPI wheels are built for CUDA torch: next to the pinned
+    CPU build they fail to import, and the newest pulls in a newer (CUDA, GBs) torch. So it is not a requirement:
+    where torchvision works, install torch-fidelity yourself (weights: --inception-weights, or
+    torch.hub's cache), or export that network once to TorchScript there and bring the file.
+  * `--clip-model`: CLIPScore (hub id or local folder holding a transformers CLIPModel + CLIPProcessor).
 """
 import argparse
 import json
 import os
 import random
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -34,32 +47,46 @@ def get_args(argv=None):
     p.add_argument("--out", default=None, help="PNG grid path (default: next to the checkpoint)")
     p.add_argument("--eval", action="store_true", help="grade held-out prompts with the judge; last line is JSON")
     p.add_argument("--eval-n", type=int, default=2, help="--eval: samples per colour x shape x position")
+    p.add_argument("--real", default=None, help="--eval: raw shards {jpg|png, txt} (folder, comma-separated "
+                   ".tar paths, or 'builtin'): FID + IS of samples of their captions against their images")
+    p.add_argument("--real-n", type=int, default=1000, help="--real: how many real images (and samples); FID is "
+                   "biased upward at small n, so compare runs at the same n")
+    p.add_argument("--features", default="inception", help="--real: feature network, 'inception' (torchmetrics' "
+                   "InceptionV3; needs torch-fidelity) or a TorchScript file: uint8 (N,3,H,W) -> features or (features, logits)")
+    p.add_argument("--inception-weights", default=None, help="--features inception: local weights file (default: "
+                   "torch.hub's cache, $TORCH_HOME/hub/checkpoints/)")
+    p.add_argument("--clip-model", default=None, help="--eval: CLIPScore with this CLIP (hub id or local folder of "
+                   "a transformers CLIPModel + CLIPProcessor)")
     p.add_argument("--routing", action="store_true", help="MoE checkpoints: save expert-choice heatmaps (PNG)")
     p.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA weights")
     p.add_argument("--batch", type=int, default=256, help="prompts per sampling batch (memory bound)")
     args = p.parse_args(argv)
     if not os.path.exists(args.ckpt):
         p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) or point to <out>/ckpt.pt")
+    if (args.real or args.clip_model) and not args.eval:
+        p.error("--real and --clip-model are scores: add --eval")
     return args
 
 
 def load(path, raw=False):
-    """Checkpoint -> (model in eval mode, its frozen text encoder, the training flags)."""
+    """Checkpoint -> (model in eval mode, its frozen text encoder, the training flags); the frozen
+    VAE (None in pixel space) rides along as model.vae."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ckpt = torch.load(path, map_location=dev, weights_only=True)
     model = DiT(**ckpt["config"]).to(dev)
     model.load_state_dict(ckpt["model" if raw else "ema"])
+    model.vae = data.load_vae(ckpt["args"].get("vae", "none"), dev)  # (a plain attribute: not a submodule)
     encoder = data.TextEncoder(ckpt["args"]["text_encoder"], device=dev)
     return model.eval().requires_grad_(False), encoder, ckpt["args"]
 
 
 def sample(model, encoder, prompts, args, image_size):
-    """All prompts, sampled in batches of --batch -> list of PIL images."""
-    images = []
+    """All prompts, sampled in batches of --batch (latents decoded by the VAE) -> list of PIL images."""
+    images, C, n = [], model.C, model.n_side * model.p  # the model's own input (channels, side)
     for i in range(0, len(prompts), args.batch):
         x = flow.generate(model, encoder, prompts[i:i + args.batch], args.steps, args.cfg, seed=args.seed + i,
-                          shape=(3, image_size, image_size), device=next(model.parameters()).device)
-        images += [data.to_pil(im) for im in x]
+                          shape=(C, n, n), device=next(model.parameters()).device)
+        images += [data.to_pil(im) for im in (x if model.vae is None else model.vae.decode(x))]
     return images
 
 
@@ -78,6 +105,7 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
     prompts, rng = data.heldout_prompts(1), random.Random(seed)
     x0 = torch.stack([data.to_tensor(data.render(a["color"], a["shape"], a["position"], size, rng), size)
                       for _, a in prompts])
+    x0 = x0 if model.vae is None else model.vae.encode(x0).cpu()  # latent models route latent patches
     text, mask, _ = encoder([p for p, _ in prompts])
     dev = next(model.parameters()).device
     by = {"timestep": torch.zeros(L, t_bins, E), "colour": torch.zeros(L, len(data.COLORS), E),
@@ -125,6 +153,115 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
     return by
 
 
+# -----------------------------------------------------------------------------------------------
+# Metrics (torchmetrics): FID and Inception Score against real shards, CLIPScore against prompts
+# -----------------------------------------------------------------------------------------------
+def as_uint8(x):
+    """(N, 3, H, W) in [-1, 1] -> uint8, the input every feature network here takes."""
+    return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+def real_images(shards, size, n, seed=0):
+    """n samples (shuffled, bad ones skipped by data.ShardStream) -> (uint8 (n, 3, size, size), captions)."""
+    images, captions = [], []
+    for b in data.ShardStream(data.resolve_shards(shards, size), 1, size, seed=seed):
+        if "image" not in b:
+            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} shards")
+        images.append(b["image"][0]), captions.append(b["caption"][0])
+        if len(images) == n:
+            break
+    if len(images) < 2:
+        raise SystemExit(f"--real {shards!r}: FID needs at least 2 real images, found {len(images)}")
+    return as_uint8(torch.stack(images)), captions
+
+
+class Pick(torch.nn.Module):
+    """Output i of a network returning (features, logits), or its only output: FID takes 0, IS takes 1."""
+
+    def __init__(self, net, i):
+        super().__init__()
+        self.net, self.i = net, i
+
+    def forward(self, x):
+        out = self.net(x)
+        return out[self.i] if isinstance(out, (tuple, list)) else out
+
+
+def feature_nets(spec, weights=None):
+    """--features -> (network for FID, network for IS), both on the CPU, both taking uint8 (N, 3, H, W)."""
+    if spec != "inception":
+        try:
+            net = torch.jit.load(spec, map_location="cpu").eval()
+        except (OSError, RuntimeError, ValueError) as e:
+            raise SystemExit(f"--features {spec!r} could not be loaded as TorchScript ({e}); pass a file written by "
+                             f"torch.jit.save, or 'inception'") from e
+        return Pick(net, 0), Pick(net, 1)
+    try:
+        from torchmetrics.image.fid import NoTrainInceptionV3  # torch-fidelity's network, weights from torch.hub
+        return tuple(NoTrainInceptionV3("inception-v3-compat", [f], weights) for f in ("2048", "logits_unbiased"))
+    except Exception as e:  # torch-fidelity/torchvision missing, or the weights neither local nor downloadable
+        raise SystemExit(f"--features inception could not be loaded ({type(e).__name__}: {str(e)[:300]}).\nIt needs "
+                         f"`pip install torch-fidelity` (which needs a torchvision matching your torch) and its weights: "
+                         f"--inception-weights FILE, or weights-inception-2015-12-05-6726825d.pth in "
+                         f"{torch.hub.get_dir()}/checkpoints. Or, where that works, export it once with torch.jit.trace "
+                         f"and pass --features FILE.pt (see this file's docstring).") from e
+
+
+@torch.no_grad()
+def fid_is(real, fake, spec, weights=None, batch=256):
+    """uint8 real and fake images -> dict(fid, inception_score, inception_score_std)."""
+    from torchmetrics.image.fid import FrechetInceptionDistance  # (torchmetrics.image lists them only with torch-fidelity)
+    from torchmetrics.image.inception import InceptionScore
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    fid_net, is_net = feature_nets(spec, weights)  # on the CPU, where FID probes its output size
+    fid = FrechetInceptionDistance(fid_net, input_img_size=tuple(real.shape[1:])).to(dev)
+    splits = max(1, min(10, len(fake) // 100))  # the usual 10 splits, each of at least 100 images
+    with warnings.catch_warnings(action="ignore"):  # IS keeps every feature (a few MB here); std of 1 split
+        iscore = InceptionScore(is_net, splits=splits).to(dev)
+        for i in range(0, len(real), batch):
+            fid.update(real[i:i + batch].to(dev), real=True)
+        for i in range(0, len(fake), batch):
+            fid.update(fake[i:i + batch].to(dev), real=False)
+            iscore.update(fake[i:i + batch].to(dev))
+        mean, std = iscore.compute()
+    return dict(fid=fid.compute().item(), inception_score=mean.item(), inception_score_std=std.nan_to_num().item())
+
+
+class CLIPFeatures(torch.nn.Module):
+    """transformers 5 returns a ModelOutput from get_{image,text}_features where torchmetrics 1.9 wants
+    the tensor (torchmetrics issue #3407, fixed after 1.9.0): hand over pooler_output, the projection."""
+
+    def __init__(self, clip):
+        super().__init__()
+        self.clip, self.config = clip, clip.config
+
+    def get_image_features(self, *a, **k):
+        return self.clip.get_image_features(*a, **k).pooler_output
+
+    def get_text_features(self, *a, **k):
+        return self.clip.get_text_features(*a, **k).pooler_output
+
+
+def load_clip(name):
+    """--clip-model -> (model, processor) for torchmetrics' CLIPScore; hub ids and local folders alike."""
+    from transformers import CLIPModel, CLIPProcessor
+    try:
+        return CLIPFeatures(CLIPModel.from_pretrained(name).eval()), CLIPProcessor.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise SystemExit(data.cannot_load("--clip-model", name, e)) from e
+
+
+@torch.no_grad()
+def clip_score(images, captions, name, batch=256):
+    """uint8 images and their captions -> mean CLIPScore, 100 * max(cos(image, text), 0)."""
+    from torchmetrics.multimodal import CLIPScore
+    metric = CLIPScore(model_name_or_path=lambda: load_clip(name))  # a callable: torchmetrics' own loader knows only some hub ids
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for i in range(0, len(images), batch):
+        metric.update(list(images[i:i + batch].to(dev)), captions[i:i + batch])
+    return metric.compute().item()
+
+
 def main(argv=None):
     args = get_args(argv)
     model, encoder, targs = load(args.ckpt, args.raw)
@@ -132,16 +269,40 @@ def main(argv=None):
     if args.routing:
         return routing_maps(model, encoder, size, args.out or os.path.dirname(args.ckpt), args.seed)
     if args.eval:
-        prompts = data.heldout_prompts(args.eval_n)
-        images = sample(model, encoder, [p for p, _ in prompts], args, size)
-        acc = data.grade(images, [a for _, a in prompts])
-        out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps.png")
-        data.save_grid(images[:len(data.heldout_prompts(1))], out, nrow=len(data.SHAPES) * len(data.POSITIONS))
-        print(f"{len(prompts)} held-out prompts, {args.steps} Euler steps, cfg {args.cfg}; grid: {out}")
-        for k, v in acc.items():
-            print(f"  {k:9s} {100 * v:5.1f}%")
-        print(json.dumps(dict(acc, n=len(prompts), steps=args.steps, cfg=args.cfg)))
-        return acc
+        scores, images, captions = {}, [], []
+
+        def uint8(ims):  # samples (PIL) -> uint8 (N, 3, H, W), like the real images
+            return as_uint8(torch.stack([data.to_tensor(im, size) for im in ims]))
+
+        if targs.get("data", data.BUILTIN) == data.BUILTIN:  # the built-in data keeps its judge
+            prompts = data.heldout_prompts(args.eval_n)
+            captions = [p for p, _ in prompts]
+            images = sample(model, encoder, captions, args, size)
+            acc = data.grade(images, [a for _, a in prompts])
+            out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps.png")
+            data.save_grid(images[:len(data.heldout_prompts(1))], out, nrow=len(data.SHAPES) * len(data.POSITIONS))
+            print(f"{len(prompts)} held-out prompts, {args.steps} Euler steps, cfg {args.cfg}; grid: {out}")
+            for k, v in acc.items():
+                print(f"  {k:9s} {100 * v:5.1f}%")
+            scores.update(acc, n=len(prompts))
+        elif not (args.real or args.clip_model):
+            raise SystemExit("--eval: the judge knows only the built-in data; for this checkpoint pass --real and/or --clip-model")
+        if args.real:  # FID/IS: the real captions drawn, then set against the real images
+            real, captions = real_images(args.real, size, args.real_n, args.seed)
+            images = sample(model, encoder, captions, args, size)
+            scores.update(fid_is(real, uint8(images), args.features, args.inception_weights, args.batch), n_real=len(real))
+            print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- {scores['inception_score_std']:.2f}: "
+                  f"{len(real)} real images of {args.real} and as many samples of their captions ({args.features})")
+        if args.clip_model:  # on the samples above, or else on the --prompt ones
+            if not images:
+                if not args.prompt:
+                    raise SystemExit("--clip-model needs captions to score: pass --real or --prompt")
+                captions = [p for p in args.prompt for _ in range(args.n)]
+                images = sample(model, encoder, captions, args, size)
+            scores["clip_score"] = clip_score(uint8(images), captions, args.clip_model, args.batch)
+            print(f"CLIPScore {scores['clip_score']:.2f} over {len(images)} samples ({args.clip_model})")
+        print(json.dumps(dict(scores, steps=args.steps, cfg=args.cfg)))
+        return scores
     prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                               "a yellow triangle in the bottom right", "a white circle in the top right"]
     images = sample(model, encoder, [p for p in prompts for _ in range(args.n)], args, size)

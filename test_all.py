@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import webdataset as wds
@@ -444,7 +445,7 @@ def test_profile_modes_write_json_and_trace_and_compare_prints_a_row_per_setting
         assert r.returncode == 0, r.stderr
         res = json.load(open(tmp_path / "profile" / f"{mode}.json"))
         assert res["step_ms"] > 0 and res["img_per_s"] > 0 and res["active_params"] < res["params"]
-        phases = ("data_wait", "text_encoder", "forward", "backward", "optimizer")
+        phases = ("data_wait", "encoders", "forward", "backward", "optimizer")
         assert set(res["share"]) == set(phases) and abs(sum(res["share"].values()) - 1) < 1e-6
         assert res["flops_per_step"] > 0 and "traceEvents" in json.load(open(res["trace"]))
     assert res["loader_img_per_s"] > 0 and res["loader_over_model"] > 0
@@ -538,6 +539,41 @@ SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", 
               "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
 
 
+def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(tmp_path):
+    flags = TINY + ["--image-size", "16", "--steps", "4", "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
+                    "--batch-size", "8", "--workers", "1", "--dist", "deepspeed"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    torchrun(tmp_path, 2, flags + ["--out", a])  # uninterrupted
+    # the same run, but every rank dies as step 3 begins (after the step-2 checkpoint), then resumes
+    crash = tmp_path / "crash.py"
+    crash.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import train\nreal = train.train_step\n"
+                     "def step(S, *a):\n    if S['step'] == 2: raise SystemExit(3)\n    return real(S, *a)\n"
+                     "train.train_step = step; train.main()\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), str(crash), *flags, "--out", b], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode != 0 and torch.load(os.path.join(b, "ckpt.pt"), weights_only=True)["step"] == 2
+    assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", b, "--resume"])
+    ca, cb = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=True) for d in (a, b))
+    assert ca["step"] == cb["step"] == 4 and ca["data"] == cb["data"] and cb["deepspeed_tag"] == "step000004"
+    for k in ("model", "ema"):
+        for name in ca[k]:
+            assert torch.equal(ca[k][name], cb[k][name]), (k, name)
+    losses = [[json.loads(l)["loss"] for l in open(os.path.join(d, "log.jsonl")) if '"loss"' in l] for d in (a, b)]
+    assert len(losses[1]) == 4 and losses[0] == losses[1], losses
+    assert [d for d in os.listdir(os.path.join(b, "deepspeed")) if d.startswith("step")] == ["step000004"]
+    # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
+    S = dict(dev="cpu", config=cb["config"], world=2, engine=None)
+    with pytest.raises(SystemExit, match="resume with --dist deepspeed"):
+        train.load_checkpoint(S, train.get_parser().parse_args(["--out", b, "--dist", "ddp"]))
+    # ckpt.pt holds the consolidated model + EMA: sample.py needs no DeepSpeed
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(b, "ckpt.pt"), "--prompt", "a red circle",
+                        "--n", "1", "--steps", "2", "--out", str(tmp_path / "g.png")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and os.path.exists(tmp_path / "g.png"), r.stderr[-3000:]
+
+
 def sbatch(tmp_path, flags, nproc=1, wait=True):
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -577,3 +613,105 @@ def test_requeued_slurm_job_resumes_and_ends_where_an_uninterrupted_run_does(tmp
     assert b["step"] == 400
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+
+
+# -----------------------------------------------------------------------------------------------
+# Real-scale inputs: VAE latents, shard converter, precompute
+# -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_vae(tmp_path_factory):
+    """A randomly initialised diffusers AutoencoderKL (2 levels: 16 px -> 4 x 8 x 8), saved like a real one."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                        norm_num_groups=4)
+    path = str(tmp_path_factory.mktemp("vae"))
+    vae.save_pretrained(path)
+    return path
+
+
+def test_vae_encodes_the_posterior_mean_times_the_scaling_factor(tiny_vae):
+    vae = data.load_vae(tiny_vae)
+    assert (vae.channels, vae.factor, vae.scale) == (4, 2, 0.18215)
+    x = torch.rand(2, 3, 16, 16) * 2 - 1
+    z = vae.encode(x)
+    assert z.shape == (2, 4, 8, 8) and torch.equal(z, vae.encode(x))  # deterministic: the mean
+    assert torch.allclose(z, vae.model.encode(x).latent_dist.mean * 0.18215)
+    assert vae.decode(z).shape == (2, 3, 16, 16) and vae.decode(z).abs().max() <= 1
+
+
+def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it():
+    for load in (lambda: data.load_vae("/no/such/vae"), lambda: data.TextEncoder("/no/such/clip")):
+        with pytest.raises(SystemExit, match="huggingface-cli download .*HF_HOME.*save_pretrained"):
+            load()
+
+
+def stripes(w, h, colours):
+    """Image of horizontal (w > h) or vertical bands of the given colours, equal widths."""
+    img, n = Image.new("RGB", (w, h)), len(colours)
+    for i, c in enumerate(colours):
+        box = (i * w // n, 0, (i + 1) * w // n, h) if w > h else (0, i * h // n, w, (i + 1) * h // n)
+        img.paste(c, box)
+    return img
+
+
+def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
+    src, R, G, B = tmp_path / "imgs", (255, 0, 0), (0, 255, 0), (0, 0, 255)
+    src.mkdir()
+    # wide 3:1 -> shrunk to 96 x 32 (bicubic), centre crop = the green third; tall 1:2 -> 32 x 64, crop = middle half
+    stripes(300, 100, [R, G, B]).save(src / "a_wide.png")
+    stripes(100, 200, [R, G, G, B]).save(src / "b_tall.png")
+    Image.new("RGB", (20, 40), R).save(src / "c_small.png")  # smaller than 32: skipped, never upsampled
+    (src / "d_corrupt.jpg").write_bytes(b"not a jpeg")
+    Image.new("RGB", (64, 64), B).save(src / "e_nocaption.png")
+    for n in ("a_wide", "b_tall", "c_small", "d_corrupt"):
+        (src / f"{n}.txt").write_text(f"caption of {n}")
+    m = data.write_shards(str(src), str(tmp_path / "out"), size=32, per_shard=1)
+    assert m["samples"] == 2 and [s["samples"] for s in m["shards"]] == [1, 1]
+    assert sorted(os.path.basename(s["path"]) for s in m["skipped"]) == ["c_small.png", "d_corrupt.jpg", "e_nocaption.png"]
+    got = [s for u in sorted((tmp_path / "out").glob("*.tar")) for s in wds.tarfile_samples([{"url": str(u)}])]
+    for s, cap in zip(got, ("caption of a_wide", "caption of b_tall")):
+        img = Image.open(io.BytesIO(s["jpg"]))
+        assert img.format == "JPEG" and img.size == (32, 32) and s["txt"].decode() == cap
+        a = torch.from_numpy(np.asarray(img).reshape(-1, 3).astype("float32"))
+        assert (a - torch.tensor(G)).abs().mean() < 12, a.mean(0)  # only green survives the crop
+    assert data.verify_shards(str(tmp_path / "out")) == []
+    # the same input gives the same bytes (sha256) again, also from a JSONL list
+    with open(tmp_path / "list.jsonl", "w") as f:
+        for n in ("a_wide", "b_tall"):
+            f.write(json.dumps(dict(path=f"imgs/{n}.png", caption=f"caption of {n}")) + "\n")
+    m2 = data.write_shards(str(tmp_path / "list.jsonl"), str(tmp_path / "out2"), size=32, per_shard=1)
+    assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m["shards"]]
+    with open(tmp_path / "out" / "shard-00001.tar", "r+b") as f:  # one flipped byte
+        f.seek(600)
+        b = f.read(1)
+        f.seek(600)
+        f.write(bytes([b[0] ^ 1]))
+    r = subprocess.run([sys.executable, "data.py", "shards", "x", str(tmp_path / "out"), "--verify"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "shard-00001.tar: sha256 differs" in r.stdout, r.stdout + r.stderr
+
+
+def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_same_loss(tmp_path, tiny_vae):
+    raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=2, per_shard=40)
+    pre = str(tmp_path / "pre")
+    data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16)
+    s = next(iter(wds.tarfile_samples([{"url": os.path.join(pre, "shapes-0000.tar")}])))
+    assert {"latent.npy", "text.npy", "mask.npy"} <= set(s)
+    first = os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns
+    os.remove(os.path.join(pre, "shapes-0001.tar"))  # resumable: only the missing shard is redone
+    data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16)
+    assert os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns == first
+    assert os.path.exists(os.path.join(pre, "shapes-0001.tar"))
+    flags = TINY + ["--image-size", "16", "--patch", "2", "--vae", tiny_vae, "--steps", "4"]
+    train.main(flags + ["--data", pre, "--out", str(tmp_path / "p")])
+    train.main(flags + ["--data", ",".join(raw), "--out", str(tmp_path / "o")])
+    loss = {r: [json.loads(l)["loss"] for l in open(tmp_path / r / "log.jsonl") if '"loss"' in l] for r in "po"}
+    assert len(loss["p"]) == 4 and torch.allclose(torch.tensor(loss["p"]), torch.tensor(loss["o"]), rtol=2e-3), loss
+    ckpt = str(tmp_path / "p" / "ckpt.pt")
+    assert torch.load(ckpt, weights_only=True)["config"]["in_channels"] == 4
+    sample.main(["--ckpt", ckpt, "--prompt", "a red circle", "--n", "2", "--steps", "2", "--out", str(tmp_path / "g.png")])
+    assert Image.open(tmp_path / "g.png").size == (2 * 16 * 2, 16 * 2)  # decoded to pixels by the VAE
+    with pytest.raises(SystemExit, match="precomputed with --vae"):
+        train.main(TINY + ["--image-size", "16", "--data", pre, "--out", str(tmp_path / "x")])

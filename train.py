@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -42,7 +43,8 @@ def get_parser():
     a("--text-encoder", default="minilm", help="'minilm' (offline, pip package) or a CLIP hub id / local folder")
     a("--text-cache", type=int, default=100_000, help="distinct captions whose encoding is kept (0 = encode every "
       "batch afresh: the online cost profile.py compares against)")
-    a("--vae", default="none", help="'none' = train on pixels (the latent path is a later issue)")
+    a("--vae", default="none", help="'none' = train on pixels; else a diffusers AutoencoderKL hub id or local "
+      "folder (e.g. stabilityai/sd-vae-ft-mse): frozen, the model learns its latents")
     a("--image-size", type=int, default=32, help="training resolution in pixels")
     a("--width", type=int, default=192, help="transformer width D")
     a("--depth", type=int, default=4, help="number of dual-stream layers")
@@ -87,7 +89,7 @@ def get_args(argv=None, parser=None):
     """Parse and check the flags; `parser` lets profile.py add its own to the very same set."""
     p = parser or get_parser()
     args = p.parse_args(argv)
-    if args.image_size % args.patch:
+    if args.image_size % args.patch:  # (with a VAE, setup() checks the latent size too)
         ok = [q for q in (1, 2, 4, 8, 16) if args.image_size % q == 0]
         p.error(f"--patch {args.patch} does not divide --image-size {args.image_size}; use one of {ok}")
     if args.width % args.heads or (args.width // args.heads) % 2 or args.width % 4:
@@ -104,9 +106,6 @@ def get_args(argv=None, parser=None):
     args.resume = args.resume or (args.auto_resume and os.path.exists(os.path.join(args.out, "ckpt.pt")))
     if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
         p.error(f"--resume: no checkpoint at {args.out}/ckpt.pt; drop --resume to start fresh")
-    if args.resume and args.dist == "deepspeed":
-        p.error("--resume with --dist deepspeed is not implemented yet (its optimizer state is partitioned "
-                "over ranks); resume such a run with --dist ddp, or start fresh")
     return args
 
 
@@ -128,9 +127,13 @@ def setup(args):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    data.load_vae(args.vae)
+    vae = data.load_vae(args.vae, dev)  # frozen; None = pixel space
     encoder = data.TextEncoder(args.text_encoder, device=dev, cache_size=args.text_cache)
-    config = dict(in_channels=3, image_size=args.image_size, patch=args.patch, width=args.width,
+    size = args.image_size // (vae.factor if vae else 1)  # the model sees latents of this side
+    if vae and (args.image_size % vae.factor or size % args.patch):
+        raise SystemExit(f"--vae shrinks {args.image_size} px by {vae.factor} to {args.image_size / vae.factor:g}: "
+                         f"pick --image-size a multiple of {vae.factor * args.patch} (for --patch {args.patch})")
+    config = dict(in_channels=vae.channels if vae else 3, image_size=size, patch=args.patch, width=args.width,
                   depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn, moe=args.moe,
                   topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
                   expert_hidden=args.expert_hidden)
@@ -158,7 +161,7 @@ def setup(args):
     elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
-    return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, config=config, model=model,
+    return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, vae=vae, config=config, model=model,
                 fwd=fwd, ema=ema, opt=opt,
                 sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0, skipped=0)
 
@@ -222,8 +225,19 @@ def train_step(S, args, x0, text, mask, mark=None):
                 grad_norm=grad_norm.item())
 
 
+def encode_batch(S, b):
+    """A loader batch -> (x0, text tokens, mask) on the device: raw images and captions go through
+    the frozen VAE and text encoder; precomputed shards (`python data.py precompute`) skip both."""
+    dev = S["dev"]
+    if "latent" in b:
+        return b["latent"].to(dev).float(), b["text"].to(dev).float(), b["mask"].to(dev)
+    x0 = b["image"].to(dev, non_blocking=True)
+    text, mask, _ = S["encoder"](b["caption"])  # cached per distinct caption
+    return (x0 if S["vae"] is None else S["vae"].encode(x0)), text, mask
+
+
 def batches(args, S, shards):
-    """Endless (image, caption) batches, starting at the saved data position; updates it.
+    """Endless loader batches (dicts, see data.collate), starting at the saved data position; updates it.
     Bad samples: S["skipped_before"] counts finished epochs, S["skipped"] adds the current one
     (re-reading an epoch on resume recounts it from zero, so nothing is counted twice)."""
     while True:
@@ -235,7 +249,7 @@ def batches(args, S, shards):
             if i < S["batch_in_epoch"]:  # resume: these were consumed before the checkpoint
                 continue
             S["batch_in_epoch"] = i + 1
-            yield b["image"], b["caption"]
+            yield b
         S["skipped_before"] = S["skipped"]
         S["epoch"], S["batch_in_epoch"] = S["epoch"] + 1, 0
 
@@ -244,21 +258,29 @@ def batches(args, S, shards):
 # Checkpoints (atomic) and samples
 # -----------------------------------------------------------------------------------------------
 def save_checkpoint(S, args):
-    """Every rank calls this (each rank's data position is gathered); rank 0 writes the file."""
+    """Every rank calls this (each rank's data position is gathered); rank 0 writes the file.
+    DeepSpeed (ZeRO-2 partitions the optimizer state): each rank writes its part to <out>/deepspeed/<tag>
+    first; ckpt.pt names the tag and still holds model + EMA, consolidated, for sample.py."""
+    tag, ds = (f"step{S['step']:06d}" if S["engine"] is not None else None), os.path.join(args.out, "deepspeed")
+    if tag:
+        S["engine"].save_checkpoint(ds, tag=tag, save_latest=False)
+        dist.barrier()  # every rank's part is on disk before ckpt.pt may name the tag
     positions = [{k: S[k] for k in ("epoch", "batch_in_epoch", "skipped_before", "skipped")}] * S["world"]
     if S["world"] > 1:
         dist.all_gather_object(positions, positions[0])
     if S["rank"] != 0:
         return
-    # (ZeRO-2 partitions the optimizer state: its ckpt keeps model + EMA, consolidated, for sample.py)
-    opt = S["opt"].state_dict() if S["engine"] is None else None
-    ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=opt,
+    opt = S["opt"].state_dict() if tag is None else None  # (DeepSpeed's is in the tag folder)
+    ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=opt, deepspeed_tag=tag,
                 sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
                 data=positions)  # one data position per rank
     path = os.path.join(args.out, "ckpt.pt")
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # a crash mid-write never leaves a broken ckpt.pt
+    if tag:  # older tags go only now, so a crash never leaves ckpt.pt naming a deleted one
+        for old in {d for d in os.listdir(ds) if d.startswith("step")} - {tag}:
+            shutil.rmtree(os.path.join(ds, old), ignore_errors=True)
 
 
 def load_checkpoint(S, args):
@@ -266,14 +288,21 @@ def load_checkpoint(S, args):
     if ckpt["config"] != S["config"]:
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S['config']}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
-    for k in ("model", "ema", "opt", "sched"):
-        S[k].load_state_dict(ckpt[k])
+    if len(ckpt["data"]) != S["world"]:  # (ZeRO's partitions need it too)
+        raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['data'])} ranks; resume with as many")
+    tag, was = ckpt.get("deepspeed_tag"), ckpt["args"]["dist"]
+    if (tag is None) != (S["engine"] is None):  # torch's AdamW state dict vs ZeRO's partitions
+        raise SystemExit(f"--resume: {args.out}/ckpt.pt was written by --dist {was}, whose optimizer state "
+                         f"--dist {args.dist} cannot read; resume with --dist {was}")
+    for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
+        S[k].load_state_dict(ckpt[k])  # (LambdaLR's load leaves the optimizer's lr alone)
+    if tag is not None:  # weights, fp32 partition, AdamW moments and the lr the schedule had set
+        S["engine"].load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     S["gen"].set_state(ckpt["rng"]["gen"])
     S["step"] = ckpt["step"]
-    if len(ckpt["data"]) != S["world"]:
-        raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['data'])} ranks; resume with as many")
     S.update(ckpt["data"][S["rank"]])
 
 
@@ -281,9 +310,10 @@ def sample_grid(S, args, path, n_each=1, seed=1234):
     """EMA samples of every held-out colour x shape x position, n_each times (fixed noise) -> the
     judge's accuracy on them; the first of each go to a PNG grid, one row per colour."""
     prompts = data.heldout_prompts(n_each)
+    c = S["config"]
     x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
-                      seed=seed, shape=(3, args.image_size, args.image_size), device=S["dev"])
-    images = [data.to_pil(im) for im in x]
+                      seed=seed, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"])
+    images = [data.to_pil(im) for im in (x if S["vae"] is None else S["vae"].decode(x))]
     data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
     return data.grade(images, [a for _, a in prompts])
 
@@ -295,6 +325,10 @@ def main(argv=None):
     args = get_args(argv)
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
+    pre = data.precomputed_meta(shards)  # shards written by `python data.py precompute`?
+    if pre and [pre[k] for k in ("vae", "text_encoder", "image_size")] != [args.vae, args.text_encoder, args.image_size]:
+        raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
+                         f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     S = setup(args)
     master = S["rank"] == 0  # only rank 0 prints, logs, samples and writes files
     say = print if master else (lambda *a, **k: None)
@@ -310,25 +344,26 @@ def main(argv=None):
             json.dump(vars(args), f, indent=1)
     total, active = count_params(S["model"])
     say(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
-          f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | {len(shards)} shards | device {S['dev']} {args.precision}"
+          f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | vae {args.vae} | {len(shards)} "
+          f"{'precomputed ' if pre else ''}shards | device {S['dev']} {args.precision}"
         + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}"
            if S["world"] > 1 else ""))
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True, disable=not master)
     log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
-    t_enc = t_total = 0.0
+    t_enc = t_total = 0.0  # time in the frozen encoders (VAE + text) vs the whole step
     n_seen, t_window = 0, time.time()
     # pre-emption: Slurm sends SIGUSR1 before the time limit (#SBATCH --signal) and SIGTERM on
     # scancel/requeue; finish the step, write a checkpoint, leave. --auto-resume picks it up.
     caught = []
     old = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    for x0, captions in batches(args, S, shards):
+    for b in batches(args, S, shards):
         if S["step"] >= args.steps:  # (a resumed run that was already done)
             break
         t0 = time.perf_counter()
-        text, mask, _ = S["encoder"](captions)  # cached per distinct caption
+        x0, text, mask = encode_batch(S, b)
         t1 = time.perf_counter()
-        st = train_step(S, args, x0.to(S["dev"], non_blocking=True), text, mask)
+        st = train_step(S, args, x0, text, mask)
         t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
         n_seen += x0.shape[0] * S["world"]
         logging_step = S["step"] % args.log_every == 0 or S["step"] == args.steps
@@ -341,7 +376,7 @@ def main(argv=None):
             n_seen, t_window = 0, time.time()
             rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
                        lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"], img_per_s=ips,
-                       text_encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"])
+                       encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"])
             if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
                 rec.update(balance_loss=st["balance"], routing=routing_stats(S["model"]))
             log.write(json.dumps(rec) + "\n")
@@ -363,7 +398,7 @@ def main(argv=None):
         say(f"caught {signal.Signals(caught[0]).name}: checkpoint written at step {S['step']}; "
             f"continue with --resume (or --auto-resume)")
     elif master:
-        print(f"text encoder share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
+        print(f"frozen encoders' share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
               f"skipped samples: {S['skipped']}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
         if args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
