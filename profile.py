@@ -281,6 +281,11 @@ def compare(args, argv):
             eff = rows[v]["img_per_s"] / (int(v) * rows[values[0]]["img_per_s"]) * int(values[0])
             print(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {values[0]}; communication "
                   f"{100 * comm:.1f}% of the step (step time minus the same steps under DDP no_sync)")
+    if flag == "data" and args.mode == "full":  # online vs precomputed: is the whole gain the encoders' time?
+        share = statistics.median(r["share"]["encoders"] for r in runs[values[0]])
+        for v in values[1:]:
+            print(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of {values[0]}; the frozen "
+                  f"encoders were {100 * share:.1f}% of its step, so 1 / (1 - share) predicts {1 / (1 - share):.2f}x")
     dev = runs[values[0]][0]["device"]
     print(f"(median of {args.repeats} fresh processes each, {args.iters} timed steps per process, device {dev}, "
           f"{runs[values[0]][0]['threads']} threads; step = the sum of all phases, range in brackets)")

@@ -9,17 +9,25 @@ saw in training (data.HELDOUT_TEMPLATES), samples them from the EMA weights, and
 (data.judge) name the colour, shape and position of each picture. Checkpoints load with
 weights_only=True: they hold tensors and plain Python values only, so loading runs no pickled code.
 
-Metrics for any data (torchmetrics), added to the same JSON line:
+Metrics for any data (torchmetrics), added to the same JSON line (the judge stays for built-in data):
     python sample.py --ckpt ... --eval --real shards/ --features inception.pt --clip-model openai/clip-vit-base-patch32
-  * `--real`: FID and Inception Score of samples drawn from the captions of real shards, against their
-    images. The feature network is pluggable: `--features net.pt` is a TorchScript file taking uint8
-    (N, 3, H, W) and returning features, or (features, logits): FID uses the first, IS the second.
-    `--features inception` is torchmetrics' own InceptionV3, which needs the torch-fidelity package;
-    that package requires torchvision, whose PyPI wheels are built for CUDA torch: next to the pinned
-    CPU build they fail to import, and the newest pulls in a newer (CUDA, GBs) torch. So it is not a requirement:
-    where torchvision works, install torch-fidelity yourself (weights: --inception-weights, or
-    torch.hub's cache), or export that network once to TorchScript there and bring the file.
-  * `--clip-model`: CLIPScore (hub id or local folder holding a transformers CLIPModel + CLIPProcessor).
+  * `--real`: FID and Inception Score of samples drawn from the captions of real shards, against
+    their images. The feature network is pluggable: `--features net.pt` is a TorchScript file taking
+    uint8 (N, 3, H, W) and returning features, or (features, logits): FID uses the first, IS the second.
+  * `--features inception` is torchmetrics' own InceptionV3. It needs the torch-fidelity package,
+    which needs torchvision, whose PyPI wheels are built for CUDA torch: beside the pinned CPU build
+    they fail to import, and the newest pulls in a newer torch (GBs). So it is not in requirements.txt.
+    Where torchvision works, install torch-fidelity (weights: --inception-weights FILE, or torch.hub's
+    cache), or trace it there once into a file that runs anywhere, for any image size:
+        from torchmetrics.image.fid import NoTrainInceptionV3
+        class Both(torch.nn.Module):  # uint8 images -> (pool3 features, unbiased logits)
+            def __init__(self):
+                super().__init__()
+                self.net = NoTrainInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"])
+            def forward(self, x):
+                return self.net._torch_fidelity_forward(x)
+        torch.jit.save(torch.jit.trace(Both(), torch.zeros(2, 3, 32, 32, dtype=torch.uint8)), "inception.pt")
+  * `--clip-model`: CLIPScore, a hub id or a local folder holding a transformers CLIPModel + CLIPProcessor.
 """
 import argparse
 import json
@@ -45,14 +53,16 @@ def get_args(argv=None):
     p.add_argument("--cfg", type=float, default=5.0, help="classifier-free guidance scale w (1 = no guidance)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same pictures)")
     p.add_argument("--out", default=None, help="PNG grid path (default: next to the checkpoint)")
-    p.add_argument("--eval", action="store_true", help="grade held-out prompts with the judge; last line is JSON")
+    p.add_argument("--eval", action="store_true", help="score samples: the judge (built-in data), --real, "
+                   "--clip-model; last line is JSON")
     p.add_argument("--eval-n", type=int, default=2, help="--eval: samples per colour x shape x position")
     p.add_argument("--real", default=None, help="--eval: raw shards {jpg|png, txt} (folder, comma-separated "
                    ".tar paths, or 'builtin'): FID + IS of samples of their captions against their images")
     p.add_argument("--real-n", type=int, default=1000, help="--real: how many real images (and samples); FID is "
                    "biased upward at small n, so compare runs at the same n")
-    p.add_argument("--features", default="inception", help="--real: feature network, 'inception' (torchmetrics' "
-                   "InceptionV3; needs torch-fidelity) or a TorchScript file: uint8 (N,3,H,W) -> features or (features, logits)")
+    p.add_argument("--features", default="inception", help="--real: feature network: 'inception' (torchmetrics' "
+                   "InceptionV3; needs torch-fidelity) or a TorchScript file, uint8 (N,3,H,W) -> features or "
+                   "(features, logits)")
     p.add_argument("--inception-weights", default=None, help="--features inception: local weights file (default: "
                    "torch.hub's cache, $TORCH_HOME/hub/checkpoints/)")
     p.add_argument("--clip-model", default=None, help="--eval: CLIPScore with this CLIP (hub id or local folder of "
@@ -166,8 +176,10 @@ def real_images(shards, size, n, seed=0):
     images, captions = [], []
     for b in data.ShardStream(data.resolve_shards(shards, size), 1, size, seed=seed):
         if "image" not in b:
-            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} shards")
-        images.append(b["image"][0]), captions.append(b["caption"][0])
+            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} "
+                             f"shards")
+        images.append(b["image"][0])
+        captions.append(b["caption"][0])
         if len(images) == n:
             break
     if len(images) < 2:
@@ -200,24 +212,24 @@ def feature_nets(spec, weights=None):
         from torchmetrics.image.fid import NoTrainInceptionV3  # torch-fidelity's network, weights from torch.hub
         return tuple(NoTrainInceptionV3("inception-v3-compat", [f], weights) for f in ("2048", "logits_unbiased"))
     except Exception as e:  # torch-fidelity/torchvision missing, or the weights neither local nor downloadable
-        raise SystemExit(f"--features inception could not be loaded ({type(e).__name__}: {str(e)[:300]}).\nIt needs "
-                         f"`pip install torch-fidelity` (which needs a torchvision matching your torch) and its weights: "
-                         f"--inception-weights FILE, or weights-inception-2015-12-05-6726825d.pth in "
-                         f"{torch.hub.get_dir()}/checkpoints. Or, where that works, export it once with torch.jit.trace "
-                         f"and pass --features FILE.pt (see this file's docstring).") from e
+        raise SystemExit(f"--features inception could not be loaded ({type(e).__name__}: {str(e)[:300]}).\nIt "
+                         f"needs `pip install torch-fidelity` (which needs a torchvision matching your torch) and "
+                         f"its weights: --inception-weights FILE, or weights-inception-2015-12-05-6726825d.pth in "
+                         f"{torch.hub.get_dir()}/checkpoints. Or, where that works, export it once with "
+                         f"torch.jit.trace and pass --features FILE.pt (see this file's docstring).") from e
 
 
 @torch.no_grad()
-def fid_is(real, fake, spec, weights=None, batch=256):
-    """uint8 real and fake images -> dict(fid, inception_score, inception_score_std)."""
-    from torchmetrics.image.fid import FrechetInceptionDistance  # (torchmetrics.image lists them only with torch-fidelity)
+def fid_is(real, fake, nets, batch=256):
+    """uint8 real and fake images, feature_nets() -> dict(fid, inception_score, inception_score_std)."""
+    # from their own modules: torchmetrics.image lists these two only when torch-fidelity is installed
+    from torchmetrics.image.fid import FrechetInceptionDistance
     from torchmetrics.image.inception import InceptionScore
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    fid_net, is_net = feature_nets(spec, weights)  # on the CPU, where FID probes its output size
-    fid = FrechetInceptionDistance(fid_net, input_img_size=tuple(real.shape[1:])).to(dev)
+    fid = FrechetInceptionDistance(nets[0].cpu(), input_img_size=tuple(real.shape[1:])).to(dev)  # probed on the CPU
     splits = max(1, min(10, len(fake) // 100))  # the usual 10 splits, each of at least 100 images
-    with warnings.catch_warnings(action="ignore"):  # IS keeps every feature (a few MB here); std of 1 split
-        iscore = InceptionScore(is_net, splits=splits).to(dev)
+    with warnings.catch_warnings(action="ignore"):  # IS: "keeps every feature" (MBs here), "std of one split"
+        iscore = InceptionScore(nets[1], splits=splits).to(dev)
         for i in range(0, len(real), batch):
             fid.update(real[i:i + batch].to(dev), real=True)
         for i in range(0, len(fake), batch):
@@ -252,10 +264,10 @@ def load_clip(name):
 
 
 @torch.no_grad()
-def clip_score(images, captions, name, batch=256):
-    """uint8 images and their captions -> mean CLIPScore, 100 * max(cos(image, text), 0)."""
+def clip_score(images, captions, clip, batch=256):
+    """uint8 images, their captions, load_clip() -> CLIPScore: the mean of 100 * cos(image, text), floored at 0."""
     from torchmetrics.multimodal import CLIPScore
-    metric = CLIPScore(model_name_or_path=lambda: load_clip(name))  # a callable: torchmetrics' own loader knows only some hub ids
+    metric = CLIPScore(model_name_or_path=lambda: clip)  # a callable: its own loader knows a few hub ids only
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for i in range(0, len(images), batch):
         metric.update(list(images[i:i + batch].to(dev)), captions[i:i + batch])
@@ -270,6 +282,8 @@ def main(argv=None):
         return routing_maps(model, encoder, size, args.out or os.path.dirname(args.ckpt), args.seed)
     if args.eval:
         scores, images, captions = {}, [], []
+        nets = feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
+        clip = load_clip(args.clip_model) if args.clip_model else None
 
         def uint8(ims):  # samples (PIL) -> uint8 (N, 3, H, W), like the real images
             return as_uint8(torch.stack([data.to_tensor(im, size) for im in ims]))
@@ -286,20 +300,22 @@ def main(argv=None):
                 print(f"  {k:9s} {100 * v:5.1f}%")
             scores.update(acc, n=len(prompts))
         elif not (args.real or args.clip_model):
-            raise SystemExit("--eval: the judge knows only the built-in data; for this checkpoint pass --real and/or --clip-model")
+            raise SystemExit("--eval: the judge knows only the built-in data; for this checkpoint pass --real "
+                             "and/or --clip-model")
         if args.real:  # FID/IS: the real captions drawn, then set against the real images
             real, captions = real_images(args.real, size, args.real_n, args.seed)
             images = sample(model, encoder, captions, args, size)
-            scores.update(fid_is(real, uint8(images), args.features, args.inception_weights, args.batch), n_real=len(real))
-            print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- {scores['inception_score_std']:.2f}: "
-                  f"{len(real)} real images of {args.real} and as many samples of their captions ({args.features})")
+            scores.update(fid_is(real, uint8(images), nets, args.batch), n_real=len(real))
+            print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} "
+                  f"+- {scores['inception_score_std']:.2f}: {len(real)} real images of {args.real} and as many "
+                  f"samples of their captions ({args.features})")
         if args.clip_model:  # on the samples above, or else on the --prompt ones
             if not images:
                 if not args.prompt:
                     raise SystemExit("--clip-model needs captions to score: pass --real or --prompt")
                 captions = [p for p in args.prompt for _ in range(args.n)]
                 images = sample(model, encoder, captions, args, size)
-            scores["clip_score"] = clip_score(uint8(images), captions, args.clip_model, args.batch)
+            scores["clip_score"] = clip_score(uint8(images), captions, clip, args.batch)
             print(f"CLIPScore {scores['clip_score']:.2f} over {len(images)} samples ({args.clip_model})")
         print(json.dumps(dict(scores, steps=args.steps, cfg=args.cfg)))
         return scores

@@ -4,9 +4,12 @@ Each test checks a claim the code or README makes and can fail: attention implem
 the untrained model predicts zero, the flow's signs and the sampler are right, bad data is skipped
 and counted, the judge can be trusted, training learns, and resume is bit-exact.
 """
+import importlib.util
 import io
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import webdataset as wds
 from PIL import Image
 
@@ -715,3 +719,122 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
     assert Image.open(tmp_path / "g.png").size == (2 * 16 * 2, 16 * 2)  # decoded to pixels by the VAE
     with pytest.raises(SystemExit, match="precomputed with --vae"):
         train.main(TINY + ["--image-size", "16", "--data", pre, "--out", str(tmp_path / "x")])
+
+
+# -----------------------------------------------------------------------------------------------
+# sample.py --eval metrics: FID / IS with a pluggable feature network, CLIPScore with a local CLIP
+# -----------------------------------------------------------------------------------------------
+def make_tiny_clip(folder):
+    """A randomly initialised CLIP small enough for tests, saved with save_pretrained (model, BPE tokenizer
+    from a hand-written vocab, image processor). Loads as CLIPModel + CLIPProcessor (--clip-model) and as a
+    text encoder (CLIPTextModel + AutoTokenizer), all offline."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    os.makedirs(folder, exist_ok=True)
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789,.:'-"
+    vocab = ["<|startoftext|>", "<|endoftext|>"] + list(chars) + [c + "</w>" for c in chars]  # no merges: letters
+    with open(os.path.join(folder, "vocab.json"), "w") as f:
+        json.dump({t: i for i, t in enumerate(vocab)}, f)
+    with open(os.path.join(folder, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
+    tok = CLIPTokenizer(os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt"))
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    cfg = CLIPConfig(text_config=dict(small, vocab_size=len(vocab), max_position_embeddings=77,
+                                      bos_token_id=0, eos_token_id=1, pad_token_id=1),  # pooling finds *this* EOS
+                     vision_config=dict(small, image_size=32, patch_size=8), projection_dim=16)
+    torch.manual_seed(0)
+    CLIPModel(cfg).save_pretrained(folder)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(folder)
+    return str(folder)
+
+
+def make_feature_net(path, logits=True):
+    """A TorchScript stand-in for Inception: uint8 (N, 3, H, W) -> 12 pooled colour features (and 10 logits)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.head = torch.nn.Linear(12, 10)
+
+        def forward(self, x):
+            f = F.adaptive_avg_pool2d(x.float() / 255, 2).flatten(1)
+            return (f, 4 * self.head(f)) if logits else f
+
+    torch.jit.save(torch.jit.trace(Net(), torch.zeros(2, 3, 16, 16, dtype=torch.uint8)), str(path))
+    return str(path)
+
+
+def shapes_uint8(n, seed, colors=tuple(data.COLORS)):
+    rng = random.Random(seed)
+    ims = [data.render(rng.choice(colors), rng.choice(data.SHAPES), rng.choice(list(data.POSITIONS)), 16, rng)
+           for _ in range(n)]
+    return sample.as_uint8(torch.stack([data.to_tensor(im, 16) for im in ims]))
+
+
+def test_fid_is_zero_against_itself_and_grows_against_other_images(tmp_path):
+    net = make_feature_net(tmp_path / "feat.pt")
+    a, b = shapes_uint8(64, 0), shapes_uint8(64, 1, colors=("red",))  # b: one colour only
+    nets = sample.feature_nets(net)
+    same, fresh, other = (sample.fid_is(a, x, nets) for x in (a, shapes_uint8(64, 2), b))
+    assert abs(same["fid"]) < 1e-4
+    assert other["fid"] > 2 * fresh["fid"] > 0  # a new draw of the same images sits closer than red-only ones
+    assert math.isfinite(same["inception_score"]) and same["inception_score"] >= 1
+    # a network with one output serves both (IS then reads the features as logits)
+    single = sample.fid_is(a, b, sample.feature_nets(make_feature_net(tmp_path / "one.pt", logits=False)))
+    assert single["fid"] > 0 and math.isfinite(single["inception_score"])
+
+
+def test_tiny_clip_gives_a_clip_score_and_loads_as_a_text_encoder(tmp_path):
+    from transformers import AutoTokenizer, CLIPTextModel
+    folder = make_tiny_clip(tmp_path / "clip")
+    clip = sample.load_clip(folder)  # what --clip-model <folder> runs
+    score = sample.clip_score(shapes_uint8(4, 0), ["a red circle", "a blue square", "x", "two words"], clip)
+    assert math.isfinite(score) and score >= 0
+    tok, text = AutoTokenizer.from_pretrained(folder), CLIPTextModel.from_pretrained(folder)
+    t = tok(["a red circle in the top left"], padding="max_length", max_length=77, return_tensors="pt")
+    out = text(**t)
+    assert out.last_hidden_state.shape == (1, 77, 32) and torch.isfinite(out.pooler_output).all()
+
+
+@pytest.mark.parametrize("which", ["clip", "torchscript", "inception"])
+def test_missing_metric_model_is_a_clear_error(tmp_path, which):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(SystemExit) as e:
+        if which == "clip":
+            sample.load_clip(missing)
+        elif which == "torchscript":
+            sample.feature_nets(missing)
+        else:
+            if importlib.util.find_spec("torch_fidelity"):
+                pytest.skip("torch-fidelity is installed here")
+            sample.feature_nets("inception")
+    msg = str(e.value)
+    fix = {"clip": ["--clip-model", missing, "huggingface-cli download", "save_pretrained"],
+           "torchscript": ["--features", missing, "TorchScript"],
+           "inception": ["torch-fidelity", "torchvision", "--inception-weights", "torch.jit.trace"]}[which]
+    assert all(f in msg for f in fix), msg
+
+
+def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, builtin16, capsys):
+    out, clip = str(tmp_path / "run"), make_tiny_clip(tmp_path / "clip")
+    # the tiny CLIP is the text encoder too: it encodes ~100 captions much faster than MiniLM
+    train.main(TINY + ["--image-size", "16", "--steps", "3", "--text-encoder", clip, "--out", out])
+    shards = tmp_path / "real"
+    shards.mkdir()
+    rng = random.Random(0)
+    with wds.TarWriter(str(shards / "real-0000.tar")) as sink:  # raw {jpg, txt}, as users bring them
+        for i in range(12):
+            text, a = data.random_caption(rng)
+            buf = io.BytesIO()
+            data.render(a["color"], a["shape"], a["position"], 24, rng).save(buf, "JPEG")  # 24 px: resized to 16
+            sink.write({"__key__": f"{i:04d}", "jpg": buf.getvalue(), "txt": text})
+    capsys.readouterr()
+    sample.main(["--ckpt", os.path.join(out, "ckpt.pt"), "--eval", "--eval-n", "1", "--steps", "2",
+                 "--real", str(shards), "--real-n", "10", "--features", make_feature_net(tmp_path / "f.pt"),
+                 "--clip-model", clip])
+    scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(scores) >= {"color", "shape", "position", "all", "n", "fid", "inception_score",
+                           "inception_score_std", "n_real", "clip_score", "steps", "cfg"}
+    assert scores["n"] == 90 and scores["n_real"] == 10
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["text_dim"] == 32  # CLIP's width
+    assert all(math.isfinite(scores[k]) for k in ("fid", "inception_score", "clip_score"))
