@@ -838,3 +838,27 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     assert scores["n"] == 90 and scores["n_real"] == 10
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["text_dim"] == 32  # CLIP's width
     assert all(math.isfinite(scores[k]) for k in ("fid", "inception_score", "clip_score"))
+
+
+def test_converter_round_trip_on_real_photos(tmp_path):
+    from sklearn.datasets import load_sample_images  # two real 640 x 427 photos shipped inside scikit-learn
+    photos = load_sample_images()
+    src = tmp_path / "photos"
+    src.mkdir()
+    for arr, name in zip(photos.images, ("china", "flower")):
+        Image.fromarray(arr).save(src / f"{name}.png")  # lossless, so the only loss is the converter's JPEG
+        (src / f"{name}.txt").write_text(f"a photo of a {name}")
+    m = data.write_shards(str(src), str(tmp_path / "a"), size=256, per_shard=1)
+    again = data.write_shards(str(src), str(tmp_path / "b"), size=256, per_shard=1)
+    assert m["samples"] == 2 and not m["skipped"] and [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in again["shards"]]
+    assert data.verify_shards(str(tmp_path / "a")) == []
+    for s, arr in zip(sorted(m["shards"], key=lambda s: s["name"]), photos.images):
+        got = next(iter(wds.tarfile_samples([{"url": str(tmp_path / "a" / s["name"])}])))
+        img = Image.open(io.BytesIO(got["jpg"]))
+        assert img.format == "JPEG" and img.size == (256, 256)
+        # the rule, written out: 640 x 427 -> short side 256 = 384 x 256 (bicubic), centre crop x 64..320
+        want = Image.fromarray(arr).resize((384, 256), Image.BICUBIC).crop((64, 0, 320, 256))
+        err = np.abs(np.asarray(img, dtype=np.float32) - np.asarray(want, dtype=np.float32)).mean()
+        assert err < 4, err  # JPEG q95 only (measured 2.7 and 2.2); a crop one pixel off or another filter is far above this
+        shifted = Image.fromarray(arr).resize((384, 256), Image.BICUBIC).crop((60, 0, 316, 256))
+        assert np.abs(np.asarray(img, dtype=np.float32) - np.asarray(shifted, dtype=np.float32)).mean() > 2 * err

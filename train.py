@@ -308,14 +308,14 @@ def load_checkpoint(S, args):
 
 def sample_grid(S, args, path, n_each=1, seed=1234):
     """EMA samples of every held-out colour x shape x position, n_each times (fixed noise) -> the
-    judge's accuracy on them; the first of each go to a PNG grid, one row per colour."""
+    judge's accuracy on them (None on other data); the first of each go to a PNG grid, one row per colour."""
     prompts = data.heldout_prompts(n_each)
     c = S["config"]
     x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
                       seed=seed, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"])
     images = [data.to_pil(im) for im in (x if S["vae"] is None else S["vae"].decode(x))]
     data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
-    return data.grade(images, [a for _, a in prompts])
+    return data.grade(images, [a for _, a in prompts]) if S["judged"] else None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -330,6 +330,7 @@ def main(argv=None):
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     S = setup(args)
+    S["judged"] = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
     master = S["rank"] == 0  # only rank 0 prints, logs, samples and writes files
     say = print if master else (lambda *a, **k: None)
     if args.resume:
@@ -401,7 +402,9 @@ def main(argv=None):
         print(f"frozen encoders' share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
               f"skipped samples: {S['skipped']}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-        if args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
+        if args.eval_n and not S["judged"]:
+            print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
+        elif args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
             acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed)
             log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
             print(f"caption accuracy of EMA samples ({args.eval_n * len(data.heldout_prompts(1))} held-out prompts, "
