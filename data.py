@@ -498,8 +498,9 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
 
 def verify_shards(out):
     """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
-    manifest = json.load(open(os.path.join(out, "manifest.json")))
-    bad = []
+    if not os.path.exists(os.path.join(out, "manifest.json")):
+        raise SystemExit(f"{out}: no manifest.json; --verify checks folders written by `python data.py shards`")
+    manifest, bad = json.load(open(os.path.join(out, "manifest.json"))), []
     for s in manifest["shards"]:
         p = os.path.join(out, s["name"])
         if not os.path.exists(p):
@@ -569,8 +570,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Built-in data check (no arguments), shard converter, precompute.")
     sub = p.add_subparsers(dest="cmd")
     s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json")
-    s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption")
-    s.add_argument("out", help="output folder for shard-XXXXX.tar and manifest.json")
+    s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption "
+                   "(with --verify: the shard folder)")
+    s.add_argument("out", nargs="?", help="output folder for shard-XXXXX.tar and manifest.json")
     s.add_argument("--size", type=int, default=256, help="square side in pixels (smaller images are skipped)")
     s.add_argument("--per-shard", type=int, default=1000, help="images per shard")
     s.add_argument("--quality", type=int, default=95, help="JPEG quality")
@@ -584,9 +586,11 @@ if __name__ == "__main__":
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
     a = p.parse_args()
     if a.cmd == "shards" and a.verify:
-        sys.exit(1 if verify_shards(a.out) else 0)
-    elif a.cmd == "shards":
+        sys.exit(1 if verify_shards(a.out or a.src) else 0)
+    elif a.cmd == "shards" and a.out:
         write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
+    elif a.cmd == "shards":
+        p.error("shards: give SRC and OUT (or --verify FOLDER)")
     elif a.cmd == "precompute":
         precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
     else:

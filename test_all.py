@@ -692,7 +692,7 @@ def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
         b = f.read(1)
         f.seek(600)
         f.write(bytes([b[0] ^ 1]))
-    r = subprocess.run([sys.executable, "data.py", "shards", "x", str(tmp_path / "out"), "--verify"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "data.py", "shards", "--verify", str(tmp_path / "out")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 1 and "shard-00001.tar: sha256 differs" in r.stdout, r.stdout + r.stderr
 
