@@ -708,6 +708,8 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
     data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16)
     assert os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns == first
     assert os.path.exists(os.path.join(pre, "shapes-0001.tar"))
+    with pytest.raises(SystemExit, match="resume with those flags"):  # never mixes two encodings
+        data.precompute(str(tmp_path / "raw"), pre, vae="none", image_size=16)
     flags = TINY + ["--image-size", "16", "--patch", "2", "--vae", tiny_vae, "--steps", "4"]
     train.main(flags + ["--data", pre, "--out", str(tmp_path / "p")])
     train.main(flags + ["--data", ",".join(raw), "--out", str(tmp_path / "o")])
