@@ -417,7 +417,8 @@ def load_vae(name, device="cpu"):
 # Offline tools: `python data.py shards` (image folder -> shards) and `python data.py precompute`
 # -----------------------------------------------------------------------------------------------
 def list_images(src):
-    """Image folder (captions in sidecar .txt) or a .csv / .jsonl of path,caption -> [(path, caption)]."""
+    """Image folder (captions in sidecar .txt) or a .csv / .jsonl of path,caption (paths relative to that
+    file's folder) -> [(path, caption)]."""
     if os.path.isdir(src):
         exts = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
         files = sorted(f for f in os.listdir(src) if f.lower().endswith(exts))

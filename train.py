@@ -162,8 +162,8 @@ def setup(args):
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
     return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, vae=vae, config=config, model=model,
-                fwd=fwd, ema=ema, opt=opt,
-                sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0, skipped=0)
+                fwd=fwd, ema=ema, opt=opt, sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0,
+                skipped=0)
 
 
 def deepspeed_engine(args, model, opt, rank):
@@ -228,10 +228,9 @@ def train_step(S, args, x0, text, mask, mark=None):
 def encode_batch(S, b):
     """A loader batch -> (x0, text tokens, mask) on the device: raw images and captions go through
     the frozen VAE and text encoder; precomputed shards (`python data.py precompute`) skip both."""
-    dev = S["dev"]
     if "latent" in b:
-        return b["latent"].to(dev).float(), b["text"].to(dev).float(), b["mask"].to(dev)
-    x0 = b["image"].to(dev, non_blocking=True)
+        return b["latent"].to(S["dev"]).float(), b["text"].to(S["dev"]).float(), b["mask"].to(S["dev"])
+    x0 = b["image"].to(S["dev"], non_blocking=True)
     text, mask, _ = S["encoder"](b["caption"])  # cached per distinct caption
     return (x0 if S["vae"] is None else S["vae"].encode(x0)), text, mask
 
