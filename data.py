@@ -437,11 +437,8 @@ def list_images(src):
 
 def sha256(path):
     import hashlib
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_shards(src, out, size=256, per_shard=1000, quality=95):
@@ -502,12 +499,6 @@ def verify_shards(out):
     return bad
 
 
-def npy(a):
-    buf = io.BytesIO()
-    np.save(buf, a)
-    return buf.getvalue()
-
-
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
     """Raw shards -> shards of {latent.npy (fp16), text.npy (fp16, real tokens), mask.npy, txt} through
     the frozen encoders, one output shard per input shard, same sample order. Resumable: a finished
@@ -545,9 +536,9 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
                 text, mask, _ = enc(b["caption"])
                 for j, s in enumerate(ok):
                     n = int(mask[j].sum())
-                    sink.write({"__key__": s["__key__"], "latent.npy": npy(x[j].cpu().half().numpy()),
-                                "text.npy": npy(text[j, :n].cpu().half().numpy()),
-                                "mask.npy": npy(mask[j, :n].cpu().numpy()), "txt": b["caption"][j]})
+                    sink.write({"__key__": s["__key__"], "latent.npy": x[j].cpu().half().numpy(),  # (np.save'd
+                                "text.npy": text[j, :n].cpu().half().numpy(),                    # by TarWriter)
+                                "mask.npy": mask[j, :n].cpu().numpy(), "txt": b["caption"][j]})
         os.replace(dst + ".tmp", dst)
     print(f"{len(shards)} shards in {out}; bad samples skipped: {skipped}")
 
