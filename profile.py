@@ -247,7 +247,7 @@ def compare(args, argv):
                 env = dict(os.environ)
                 if flag in ("nproc", "dist"):  # N processes x 1 thread each under torchrun (dist: 2 ranks)
                     env["OMP_NUM_THREADS"] = "1"
-                    n, mode = (v, "ddp") if flag == "nproc" else ("2", v)
+                    n, mode = (v, "ddp") if flag == "nproc" else ("1" if v == "none" else "2", v)
                     cmd = [sys.executable, os.path.abspath(__file__), *base, "--json", out] if n == "1" else [
                         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port",
                         str(29500 + r), os.path.abspath(__file__), *base, "--dist", mode, "--json", out]
