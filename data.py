@@ -505,12 +505,12 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     shard exists under its final name (written to .tmp, then renamed) and is skipped."""
     from tqdm import tqdm
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shards, enc, ae = resolve_shards(src, image_size), TextEncoder(text_encoder, device), load_vae(vae, device)
     meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
-    os.makedirs(out, exist_ok=True)
     if precomputed_meta([os.path.join(out, "x")]) not in (None, meta):  # resuming must not mix encodings
         raise SystemExit(f"{out} holds shards precomputed with {precomputed_meta([os.path.join(out, 'x')])}; "
                          f"resume with those flags, or write to a new folder")
+    shards, enc, ae = resolve_shards(src, image_size), TextEncoder(text_encoder, device), load_vae(vae, device)
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "precompute.json"), "w") as f:  # train.py checks its flags against this
         json.dump(meta, f, indent=1)
     todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
