@@ -446,7 +446,7 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
     Cover-resize (bicubic, antialiased) + centre crop to size; images smaller than `size` are skipped,
     never upsampled (the seed's LAION export rule); corrupt images are skipped and listed."""
     from tqdm import tqdm
-    items, skipped, shards, sink = list_images(src), [], [], None
+    items, skipped, shards, sink, n = list_images(src), [], [], None, 0
     os.makedirs(out, exist_ok=True)
     for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
         try:
@@ -465,10 +465,10 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
             sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)  # mtime: same bytes every run
         buf = io.BytesIO()
         cover_crop(img, size).save(buf, "JPEG", quality=quality)
-        key = f"{sum(s['samples'] for s in shards):09d}"
-        sink.write({"__key__": key, "jpg": buf.getvalue(), "txt": caption,
+        sink.write({"__key__": f"{n:09d}", "jpg": buf.getvalue(), "txt": caption,
                     "json": dict(src=os.path.relpath(path, os.path.dirname(os.path.abspath(src))), size=img.size)})
         shards[-1]["samples"] += 1
+        n += 1
     if sink:
         sink.close()
     for s in shards:
@@ -506,10 +506,12 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     from tqdm import tqdm
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
-    if precomputed_meta([os.path.join(out, "x")]) not in (None, meta):  # resuming must not mix encodings
-        raise SystemExit(f"{out} holds shards precomputed with {precomputed_meta([os.path.join(out, 'x')])}; "
+    if precomputed_meta(out) not in (None, meta):  # resuming must not mix encodings
+        raise SystemExit(f"{out} holds shards precomputed with {precomputed_meta(out)}; "
                          f"resume with those flags, or write to a new folder")
-    shards, enc, ae = resolve_shards(src, image_size), TextEncoder(text_encoder, device), load_vae(vae, device)
+    # cache_size=0: every batch in one encoder call (the per-caption cache serves training, not a one-off pass)
+    enc = TextEncoder(text_encoder, device, cache_size=0)
+    shards, ae = resolve_shards(src, image_size), load_vae(vae, device)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "precompute.json"), "w") as f:  # train.py checks its flags against this
         json.dump(meta, f, indent=1)
@@ -543,9 +545,9 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     print(f"{len(shards)} shards in {out}; bad samples skipped: {skipped}")
 
 
-def precomputed_meta(shards):
-    """precompute.json next to the shards (None for raw shards)."""
-    p = os.path.join(os.path.dirname(shards[0]), "precompute.json")
+def precomputed_meta(folder):
+    """The precompute.json of a shard folder (None for raw shards)."""
+    p = os.path.join(folder, "precompute.json")
     return json.load(open(p)) if os.path.exists(p) else None
 
 

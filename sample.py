@@ -90,7 +90,7 @@ def load(path, raw=False):
     return model.eval().requires_grad_(False), encoder, ckpt["args"]
 
 
-def sample(model, encoder, prompts, args, image_size):
+def sample(model, encoder, prompts, args):
     """All prompts, sampled in batches of --batch (latents decoded by the VAE) -> list of PIL images."""
     images, C, n = [], model.C, model.n_side * model.p  # the model's own input (channels, side)
     for i in range(0, len(prompts), args.batch):
@@ -291,7 +291,7 @@ def main(argv=None):
         if targs.get("data", data.BUILTIN) == data.BUILTIN:  # the built-in data keeps its judge
             prompts = data.heldout_prompts(args.eval_n)
             captions = [p for p, _ in prompts]
-            images = sample(model, encoder, captions, args, size)
+            images = sample(model, encoder, captions, args)
             acc = data.grade(images, [a for _, a in prompts])
             out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps.png")
             data.save_grid(images[:len(data.heldout_prompts(1))], out, nrow=len(data.SHAPES) * len(data.POSITIONS))
@@ -304,7 +304,7 @@ def main(argv=None):
                              "and/or --clip-model")
         if args.real:  # FID/IS: the real captions drawn, then set against the real images
             real, captions = real_images(args.real, size, args.real_n, args.seed)
-            images = sample(model, encoder, captions, args, size)
+            images = sample(model, encoder, captions, args)
             scores.update(fid_is(real, uint8(images), nets, args.batch), n_real=len(real))
             print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} "
                   f"+- {scores['inception_score_std']:.2f}: {len(real)} real images of {args.real} and as many "
@@ -314,14 +314,14 @@ def main(argv=None):
                 if not args.prompt:
                     raise SystemExit("--clip-model needs captions to score: pass --real or --prompt")
                 captions = [p for p in args.prompt for _ in range(args.n)]
-                images = sample(model, encoder, captions, args, size)
+                images = sample(model, encoder, captions, args)
             scores["clip_score"] = clip_score(uint8(images), captions, clip, args.batch)
             print(f"CLIPScore {scores['clip_score']:.2f} over {len(images)} samples ({args.clip_model})")
         print(json.dumps(dict(scores, steps=args.steps, cfg=args.cfg)))
         return scores
     prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                               "a yellow triangle in the bottom right", "a white circle in the top right"]
-    images = sample(model, encoder, [p for p in prompts for _ in range(args.n)], args, size)
+    images = sample(model, encoder, [p for p in prompts for _ in range(args.n)], args)
     out = args.out or os.path.join(os.path.dirname(args.ckpt), "samples.png")
     data.save_grid(images, out, nrow=args.n)
     print(f"{len(images)} samples ({len(prompts)} prompts x {args.n}, one row each) -> {out}")

@@ -324,7 +324,7 @@ def main(argv=None):
     args = get_args(argv)
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
-    pre = data.precomputed_meta(shards)  # shards written by `python data.py precompute`?
+    pre = data.precomputed_meta(os.path.dirname(shards[0]))  # written by `python data.py precompute`?
     if pre and [pre[k] for k in ("vae", "text_encoder", "image_size")] != [args.vae, args.text_encoder, args.image_size]:
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
