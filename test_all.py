@@ -4,6 +4,7 @@ Each test checks a claim the code or README makes and can fail: attention implem
 the untrained model predicts zero, the flow's signs and the sampler are right, bad data is skipped
 and counted, the judge can be trusted, training learns, and resume is bit-exact.
 """
+import copy
 import importlib.util
 import io
 import json
@@ -864,3 +865,220 @@ def test_converter_round_trip_on_real_photos(tmp_path):
         assert err < 4, err  # JPEG q95 only (measured 2.7 and 2.2); a crop one pixel off or another filter is far above this
         shifted = Image.fromarray(arr).resize((384, 256), Image.BICUBIC).crop((60, 0, 316, 256))
         assert np.abs(np.asarray(img, dtype=np.float32) - np.asarray(shifted, dtype=np.float32)).mean() > 2 * err
+
+
+# -----------------------------------------------------------------------------------------------
+# Faults a long run meets: each injected for real; the user sees a message and loses nothing
+# -----------------------------------------------------------------------------------------------
+def strict_json(line):
+    """json.loads that rejects NaN/Infinity (Python's accepts them; other JSON readers do not)."""
+    def refuse(c):
+        raise ValueError(f"not JSON: {c}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def poison(monkeypatch, which):
+    """A NaN pixel in the loader batches whose number (from 1) satisfies `which`: a real non-finite loss."""
+    real, n = train.encode_batch, [0]
+
+    def encode(S, b):
+        n[0] += 1
+        x0, text, mask = real(S, b)
+        if which(n[0]):
+            x0 = x0.clone()
+            x0[0, 0, 0, 0] = float("nan")
+        return x0, text, mask
+    monkeypatch.setattr(train, "encode_batch", encode)
+
+
+def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
+    """Start `python [launcher] script.py args` where script.py patches train, then runs train.main()."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys, time; sys.path.insert(0, {ROOT!r}); import train, data, torch\n{body}\ntrain.main()\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"), **(env or {}))
+    return subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def wait_for_log_lines(path, n, timeout=120):
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= n):
+        time.sleep(0.05)
+    assert path.exists() and len(path.read_text().splitlines()) >= n, f"{path}: fewer than {n} lines"
+
+
+def test_a_nan_step_changes_nothing_is_logged_as_null_and_the_run_goes_on(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    poison(monkeypatch, lambda n: n == 4)
+    real, checked = train.train_step, []
+
+    def spy(S, *a, **k):  # a bad step must leave model, EMA, optimizer and schedule exactly as they were
+        before = copy.deepcopy({k: S[k].state_dict() for k in ("model", "ema", "opt", "sched")})
+        st = real(S, *a, **k)
+        if st["bad"]:
+            after = {k: S[k].state_dict() for k in before}
+            for k in ("model", "ema"):
+                assert all(torch.equal(before[k][n], after[k][n]) for n in before[k]), k
+            assert after["sched"]["last_epoch"] == before["sched"]["last_epoch"]
+            assert all(torch.equal(before["opt"]["state"][i]["exp_avg"], after["opt"]["state"][i]["exp_avg"])
+                       for i in before["opt"]["state"])
+            checked.append(S["step"])
+        return st
+    monkeypatch.setattr(train, "train_step", spy)
+    out = tmp_path / "run"
+    train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "8", "--out", str(out)])
+    assert checked == [3]  # the 4th batch: 3 steps done, nothing changed
+    recs = [strict_json(l) for l in open(out / "log.jsonl")]  # every line valid JSON
+    bad = [r for r in recs if r.get("bad_step")]
+    assert len(bad) == 1 and bad[0]["loss"] is None and bad[0]["step"] == 3
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 8 and ckpt["bad"]["bad_steps"] == 1  # 8 real updates from 9 batches
+    assert all(v.isfinite().all() for k in ("model", "ema") for v in ckpt[k].values())
+
+
+def test_too_many_bad_steps_in_a_row_stop_naming_the_last_good_checkpoint(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    poison(monkeypatch, lambda n: n >= 6)  # from the 6th batch on, every loss is NaN: a diverged run
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"stopping at step 5: the last 3 steps .* non-finite.* at step 4"):
+        train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "20", "--ckpt-every", "2",
+                           "--max-bad-steps", "3", "--out", str(out)])
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 4 and all(v.isfinite().all() for v in ckpt["model"].values())
+    assert [strict_json(l).get("bad_step") for l in open(out / "log.jsonl")][-3:] == [True] * 3
+
+
+def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    body = ("real = train.encode_batch\nn = [0]\ndef enc(S, b):\n    x0, t, m = real(S, b)\n    n[0] += 1\n"
+            "    if S['rank'] == 1 and n[0] == 3:\n        x0 = x0.clone(); x0[0, 0, 0, 0] = float('inf')\n"
+            "    return x0, t, m\ntrain.encode_batch = enc")
+    flags = TINY + ["--image-size", "16", "--steps", "5", "--batch-size", "8", "--workers", "1", "--dist", "ddp",
+                    "--out", str(tmp_path / "run")]
+    p = run_script(tmp_path, body, flags, launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                                     "--master_port", free_port()))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert "parameters identical on all 2 ranks: True" in out  # both skipped it: the replicas never diverged
+    recs = [strict_json(l) for l in open(tmp_path / "run" / "log.jsonl")]
+    assert [r["step"] for r in recs if r.get("bad_step")] == [2]
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 5
+
+
+def test_a_truncated_ckpt_falls_back_to_the_previous_one_and_resume_stays_exact(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "8", "--ckpt-every", "2"]
+    train.main(flags + ["--out", str(tmp_path / "a")])
+    b = tmp_path / "b"
+    real = train.train_step
+
+    def crash(S, *a):
+        if S["step"] == 5:
+            raise KeyboardInterrupt
+        return real(S, *a)
+    monkeypatch.setattr(train, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(flags + ["--out", str(b)])
+    monkeypatch.setattr(train, "train_step", real)
+    assert torch.load(b / "ckpt.prev.pt", weights_only=True)["step"] == 2
+    whole = (b / "ckpt.pt").read_bytes()
+    (b / "ckpt.pt").write_bytes(whole[:len(whole) // 2])  # the node died mid-copy
+    train.main(flags + ["--out", str(b), "--auto-resume"])  # no crash loop: falls back to step 2
+    log = [strict_json(l) for l in open(b / "log.jsonl")]
+    assert {"step": 2, "checkpoint": "ckpt.prev.pt", "changed": {}} in [r.get("resume") for r in log]
+    assert (b / "ckpt.bad.pt").read_bytes() == whole[:len(whole) // 2]  # kept aside, never made the "previous" one
+    ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "a", b))
+    assert cb["step"] == 8 and all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+    for name in ("ckpt.pt", "ckpt.prev.pt"):  # both damaged: a clear exit, not a traceback
+        (b / name).write_bytes(b"\0" * 100)
+    with pytest.raises(SystemExit, match="no readable checkpoint.*ckpt.pt.*ckpt.prev.pt.*start afresh"):
+        train.main(flags + ["--out", str(b), "--auto-resume"])
+
+
+def test_oserror_while_saving_a_checkpoint_or_a_png_warns_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    real_save, calls = torch.save, [0]
+
+    def disk_full(obj, f, *a, **k):  # the first checkpoint hits a full disk half-way through
+        calls[0] += 1
+        if calls[0] == 1:
+            f.write(b"partial")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", disk_full)
+    real_png = Image.Image.save
+
+    def png_fails(self, fp, *a, **k):  # and so does the first sample grid
+        if not hasattr(png_fails, "done"):
+            png_fails.done = True
+            raise OSError(28, "No space left on device")
+        return real_png(self, fp, *a, **k)
+    monkeypatch.setattr(Image.Image, "save", png_fails)
+    out = tmp_path / "run"
+    train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "6", "--ckpt-every", "2",
+                       "--sample-every", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert "checkpoint of step 2 not written" in err and "No space left" in err and "sample grid" in err
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 6  # the next saves went through
+    assert torch.load(out / "ckpt.prev.pt", weights_only=True)["step"] == 4
+    assert not list(out.rglob("*.tmp")) and (out / "samples" / "step_000004.png").exists()
+    assert not (out / "samples" / "step_000002.png").exists()
+
+
+def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path):
+    import time
+    os.makedirs(tmp_path / "tiny")
+    for s in range(3):  # 3 samples, batch 8
+        write_shard(str(tmp_path / "tiny" / f"s{s}.tar"), [{"__key__": f"{s}", "png": png(), "txt": "a red square"}])
+    flags = TINY + ["--data", str(tmp_path / "tiny"), "--image-size", "16", "--batch-size", "8", "--steps", "5"]
+    with pytest.raises(SystemExit, match=r"no batch of --batch-size 8: its 1 loader worker\(s\) read 3 samples.*"
+                                         r"--batch-size 3 or less"):
+        train.main(flags + ["--out", str(tmp_path / "one")])
+    t0 = time.time()  # under torchrun: every rank stops, none waits in an all-reduce
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), "train.py", "--dist", "ddp", *flags, "--out", str(tmp_path / "two")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "gave rank 0 no batch" in r.stderr and "gave rank 1 no batch" in r.stderr, r.stderr[-3000:]
+    assert time.time() - t0 < 60
+
+
+def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--warmup", "2"]
+    out = str(tmp_path / "run")
+    train.main(flags + ["--steps", "4", "--lr", "1e-3", "--out", out])
+    for change, msg in ((["--steps", "4", "--lr", "1e-5"], r"(?s)--lr: 0.001 in the checkpoint, 1e-05 now.*--override lr"),
+                        (["--steps", "4", "--lr", "1e-3", "--batch-size", "8"], r"--batch-size: 16 .* 8 now")):
+        with pytest.raises(SystemExit, match=msg):
+            train.main(flags + change + ["--out", out, "--resume"])
+    train.main(flags + ["--steps", "8", "--lr", "1e-3", "--override", "steps", "--out", out, "--resume"])
+    log = [strict_json(l) for l in open(os.path.join(out, "log.jsonl"))]
+    assert [r["resume"] for r in log if "resume" in r] == [{"step": 4, "checkpoint": "ckpt.pt", "changed": {"steps": [4, 8]}}]
+    lr5 = next(r["lr"] for r in log if r.get("step") == 5 and "lr" in r)
+    assert abs(lr5 - 1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6))) < 1e-12  # the new cosine, from step 4 on
+    assert json.load(open(os.path.join(out, "args.json")))["steps"] == 4  # the original flags
+
+
+def test_resume_mid_epoch_does_not_decode_the_consumed_samples(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)  # 5 batches an epoch
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16"]
+    train.main(flags + ["--steps", "4", "--out", str(tmp_path / "run")])  # stops after batch 4 of epoch 0
+    real_decode, real_step, decoded, at_first_step = data.decode_sample, train.train_step, [], []
+    monkeypatch.setattr(data, "decode_sample", lambda s, size: decoded.append(s["__key__"]) or real_decode(s, size))
+    monkeypatch.setattr(train, "train_step", lambda S, *a: at_first_step.append(len(decoded)) or real_step(S, *a))
+    train.main(flags + ["--steps", "5", "--override", "steps", "--out", str(tmp_path / "run"), "--resume"])
+    assert at_first_step == [16]  # only the new batch; the 64 consumed samples were read past, not decoded
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["data"][0]["batch_in_epoch"] == 5
+
+
+def test_caption_states_are_the_same_bits_in_any_batch_cached_or_not():
+    caps = [f"a red circle number {i}" + " big" * (i % 5) for i in range(40)]
+    fresh = data.TextEncoder("minilm", cache_size=0)
+    cached = data.TextEncoder("minilm", cache_size=3)
+    alone = fresh([caps[7]])
+    for enc, batch, i in ((fresh, caps, 7), (fresh, caps[5:12], 2), (cached, caps[:20], 7), (cached, caps[7:8], 0)):
+        tok, mask, pooled = enc(batch)
+        assert torch.equal(tok[i][mask[i]], alone[0][0][alone[1][0]]) and torch.equal(pooled[i], alone[2][0])
+    assert len(cached.cache) == 3 and list(cached.cache)[-1] == caps[7]  # bounded; most recent kept last
+    assert all(h.dtype == torch.float16 and h.device.type == "cpu" for h, _ in cached.cache.values())
+    assert len(fresh.cache) == 0

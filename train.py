@@ -32,6 +32,13 @@ from model import DiT, count_params
 from moe import balance_loss, routing_stats, upcycle
 
 
+CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
+DATA_FLAGS = ("data", "batch_size", "workers", "seed")  # they define the stream the saved data position points into
+TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "cfg_drop", "ema", "precision", "text_encoder", "vae",
+                           "image_size")  # --resume refuses a change to these unless --override names it
+HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default list lacks SIGUSR1
+
+
 # -----------------------------------------------------------------------------------------------
 # Flags
 # -----------------------------------------------------------------------------------------------
@@ -41,8 +48,8 @@ def get_parser():
     a("--data", default=data.BUILTIN, help="folder of WebDataset .tar shards, comma-separated .tar paths, "
       "or 'builtin' (captioned shapes, generated on first use)")
     a("--text-encoder", default="minilm", help="'minilm' (offline, pip package) or a CLIP hub id / local folder")
-    a("--text-cache", type=int, default=100_000, help="distinct captions whose encoding is kept (0 = encode every "
-      "batch afresh: the online cost profile.py compares against)")
+    a("--text-cache", type=int, default=100_000, help="distinct captions whose encoding is kept on the CPU in fp16, "
+      "least recently used dropped first (0 = encode every batch afresh); results are identical either way")
     a("--vae", default="none", help="'none' = train on pixels; else a diffusers AutoencoderKL hub id or local "
       "folder (e.g. stabilityai/sd-vae-ft-mse): frozen, the model learns its latents")
     a("--image-size", type=int, default=32, help="training resolution in pixels")
@@ -74,7 +81,11 @@ def get_parser():
     a("--workers", type=int, default=1, help="data-loader worker processes")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt")
-    a("--auto-resume", action="store_true", help="resume if <out>/ckpt.pt exists, else start fresh (requeued jobs)")
+    a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start fresh (requeued jobs)")
+    a("--override", default="", help="--resume: accept these changed flags (comma-separated, e.g. steps,lr); "
+      "without it a resume that changes a flag of the run's trajectory is refused (README: what each costs)")
+    a("--max-bad-steps", type=int, default=10, help="stop after this many consecutive steps with a non-finite loss "
+      "or gradient norm (each is skipped: no update)")
     a("--log-every", type=int, default=10, help="steps between log.jsonl lines")
     a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
@@ -103,10 +114,18 @@ def get_args(argv=None, parser=None):
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ... "
                 "(or sbatch run.slurm)")
-    args.resume = args.resume or (args.auto_resume and os.path.exists(os.path.join(args.out, "ckpt.pt")))
-    if args.resume and not os.path.exists(os.path.join(args.out, "ckpt.pt")):
-        p.error(f"--resume: no checkpoint at {args.out}/ckpt.pt; drop --resume to start fresh")
+    if set(overrides(args)) - set(TRAJECTORY):
+        p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
+    found = any(os.path.exists(os.path.join(args.out, f)) for f in (CKPT, PREV))
+    args.resume = args.resume or (args.auto_resume and found)
+    if args.resume and not found:
+        p.error(f"--resume: no checkpoint at {args.out}/{CKPT}; drop --resume to start fresh")
     return args
+
+
+def overrides(args):
+    """--override steps,lr -> ["steps", "lr"] (flag names as attributes)."""
+    return [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -121,6 +140,9 @@ def setup(args):
         if dev == "cuda":
             torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
         dist.init_process_group("nccl" if dev == "cuda" else "gloo")
+        if rank == 0 and "SIGUSR1" not in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ""):
+            print(f"warning: torchrun dies on SIGUSR1 (Slurm's time-limit warning) and orphans the ranks unless "
+                  f"started with TORCHELASTIC_SIGNALS_TO_HANDLE={HANDLED_BY_TORCHRUN} (run.slurm sets it)")
     if args.precision is None:
         args.precision = "bf16" if dev == "cuda" else "fp32"
     if dev == "cuda":
@@ -138,6 +160,10 @@ def setup(args):
                   topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
                   expert_hidden=args.expert_hidden)
     model = DiT(**config).to(dev)
+    if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
+        n = upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
+        if rank == 0:
+            print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
     ema = copy.deepcopy(model).requires_grad_(False)
     try:  # fused AdamW: one kernel for the whole update where this torch build has it
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -162,8 +188,8 @@ def setup(args):
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
     return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, vae=vae, config=config, model=model,
-                fwd=fwd, ema=ema, opt=opt, sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, skipped_before=0,
-                skipped=0)
+                fwd=fwd, ema=ema, opt=opt, sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, workers={},
+                skipped_before=0, skipped=0, bad_steps=0, bad_in_a_row=0, ckpt_step=None, ds_tag=None)
 
 
 def deepspeed_engine(args, model, opt, rank):
@@ -196,6 +222,9 @@ def drop_captions(text, mask, p, gen, rank=0, world=1):
 
 def train_step(S, args, x0, text, mask, mark=None):
     """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA.
+    A step whose loss or gradient norm is not finite, on any rank, changes nothing (no update, no
+    schedule or EMA step; ZeRO skips its own update then): it is counted and the run goes on. One
+    all-reduce gives every rank the global loss, that verdict and the stop flag (a signal on any rank).
     `mark(phase)`, if given, is called as each phase ends (profile.py times them with it)."""
     mark = mark or (lambda phase: None)
     text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"], S["rank"], S["world"])
@@ -206,23 +235,33 @@ def train_step(S, args, x0, text, mask, mark=None):
     if S["engine"] is not None:  # DeepSpeed: reduce-scatter gradients, clip, step its partition
         S["engine"].backward(loss + balance)
         mark("backward")
-        S["engine"].step()
-        grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0))
+        S["engine"].step()  # (it checks the global gradient norm itself: inf/NaN -> no update)
+        grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0), device=S["dev"])
     else:
         S["opt"].zero_grad(set_to_none=True)
         (loss + balance).backward()  # DDP averages the gradients over ranks during this call
         mark("backward")
-        grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)
-        S["opt"].step()
-    S["sched"].step()
-    S["step"] += 1
-    decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
-    with torch.no_grad():
-        for pe, pm in zip(S["ema"].parameters(), S["model"].parameters()):
-            pe.lerp_(pm, 1 - decay)
+        grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)  # (NaN/inf pass through)
+    bad = ~torch.isfinite(loss.detach() + balance.detach()) | ~torch.isfinite(grad_norm)
+    stop = torch.tensor(bool(S.get("signals") and S["signals"].caught), device=S["dev"])
+    flags = torch.stack([loss.detach().float(), bad.float(), stop.float()])
+    if S["world"] > 1:
+        dist.all_reduce(flags)  # sum: the global mean loss, any rank's bad step, any rank's signal
+    loss_sum, bad, stop = flags.tolist()
+    if not bad:
+        if S["engine"] is None:
+            S["opt"].step()
+        S["sched"].step()
+        S["step"] += 1
+        decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
+        with torch.no_grad():
+            for pe, pm in zip(S["ema"].parameters(), S["model"].parameters()):
+                pe.lerp_(pm, 1 - decay)
+    S["bad_steps"] += bool(bad)
+    S["bad_in_a_row"] = S["bad_in_a_row"] + 1 if bad else 0
     mark("optimizer")
-    return dict(loss=loss.item(), balance=float(balance.detach()), t=t, per_sample=per_sample.detach(),
-                grad_norm=grad_norm.item())
+    return dict(loss=loss_sum / S["world"], balance=float(balance.detach()), t=t, per_sample=per_sample.detach(),
+                grad_norm=grad_norm.item(), bad=bool(bad), stop=bool(stop))
 
 
 def encode_batch(S, b):
@@ -236,54 +275,120 @@ def encode_batch(S, b):
 
 
 def batches(args, S, shards):
-    """Endless loader batches (dicts, see data.collate), starting at the saved data position; updates it.
-    Bad samples: S["skipped_before"] counts finished epochs, S["skipped"] adds the current one
-    (re-reading an epoch on resume recounts it from zero, so nothing is counted twice)."""
+    """Endless loader batches (dicts, see data.collate) from the saved data position, which it keeps
+    up to date: S["epoch"], S["batch_in_epoch"] and S["workers"], each loader worker's {batches, raw,
+    skipped} (a resumed epoch passes over what they had read without decoding it: data.ShardStream).
+    S["skipped"] counts bad samples, S["skipped_before"] those of finished epochs."""
     while True:
-        per_worker = {}
         for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed, S["epoch"],
-                                               S["rank"], S["world"], workers=args.workers)):
-            per_worker[b["worker"]] = b["skipped"]
-            S["skipped"] = S["skipped_before"] + sum(per_worker.values())
-            if i < S["batch_in_epoch"]:  # resume: these were consumed before the checkpoint
+                                               S["rank"], S["world"], args.workers, resume=dict(S["workers"]))):
+            if (i < S["batch_in_epoch"]) != ("consumed" in b):  # placeholders stand where consumed batches stood
+                raise RuntimeError(f"resume: epoch {S['epoch']} item {i} is not where the checkpoint put it")
+            if i < S["batch_in_epoch"]:
                 continue
+            S["workers"][b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped")}
+            S["skipped"] = S["skipped_before"] + sum(w["skipped"] for w in S["workers"].values())
             S["batch_in_epoch"] = i + 1
             yield b
+        if S["batch_in_epoch"] == 0:  # a whole epoch without one full batch: waiting longer cannot help
+            raise SystemExit(data.no_batch_message(shards, args.batch_size, args.seed, S["epoch"], S["rank"],
+                                                   S["world"], args.workers))
         S["skipped_before"] = S["skipped"]
-        S["epoch"], S["batch_in_epoch"] = S["epoch"] + 1, 0
+        S["epoch"], S["batch_in_epoch"], S["workers"] = S["epoch"] + 1, 0, {}
 
 
 # -----------------------------------------------------------------------------------------------
-# Checkpoints (atomic) and samples
+# Checkpoints: atomic and fsynced, the previous one kept; an unreadable one falls back to it
 # -----------------------------------------------------------------------------------------------
 def save_checkpoint(S, args):
-    """Every rank calls this (each rank's data position is gathered); rank 0 writes the file.
+    """Every rank calls this (each rank's data position is gathered); rank 0 writes <out>/ckpt.pt and
+    keeps the one before as ckpt.prev.pt. -> False where an OSError (disk full, quota, I/O) stopped
+    it: a warning, nothing half-written left behind, and the next save tries again.
     DeepSpeed (ZeRO-2 partitions the optimizer state): each rank writes its part to <out>/deepspeed/<tag>
     first; ckpt.pt names the tag and still holds model + EMA, consolidated, for sample.py."""
     tag, ds = (f"step{S['step']:06d}" if S["engine"] is not None else None), os.path.join(args.out, "deepspeed")
     if tag:
-        S["engine"].save_checkpoint(ds, tag=tag, save_latest=False)
-        dist.barrier()  # every rank's part is on disk before ckpt.pt may name the tag
-    positions = [{k: S[k] for k in ("epoch", "batch_in_epoch", "skipped_before", "skipped")}] * S["world"]
+        ok = torch.ones(1, device=S["dev"])
+        try:
+            S["engine"].save_checkpoint(ds, tag=tag, save_latest=False)
+        except OSError as e:
+            print(f"warning: rank {S['rank']}: DeepSpeed partition {tag} not written ({e})", file=sys.stderr)
+            ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's part is on disk before ckpt.pt may name the tag
+        if not ok.item():
+            return False
+    positions = [{k: S[k] for k in ("epoch", "batch_in_epoch", "workers", "skipped_before", "skipped")}] * S["world"]
     if S["world"] > 1:
         dist.all_gather_object(positions, positions[0])
     if S["rank"] != 0:
-        return
+        return True
+    for k in ("model", "ema"):  # bad steps change nothing, so this cannot happen; never write one that would
+        if not all(v.isfinite().all() for v in S[k].state_dict().values() if v.is_floating_point()):  # poison a resume
+            raise SystemExit(f"non-finite {k} weights at step {S['step']}: not saved; {args.out}/{CKPT} is untouched")
     opt = S["opt"].state_dict() if tag is None else None  # (DeepSpeed's is in the tag folder)
     ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=opt, deepspeed_tag=tag,
                 sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
+                bad=dict(bad_steps=S["bad_steps"], bad_in_a_row=S["bad_in_a_row"]),
                 data=positions)  # one data position per rank
-    path = os.path.join(args.out, "ckpt.pt")
-    torch.save(ckpt, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a crash mid-write never leaves a broken ckpt.pt
-    if tag:  # older tags go only now, so a crash never leaves ckpt.pt naming a deleted one
-        for old in {d for d in os.listdir(ds) if d.startswith("step")} - {tag}:
+    try:
+        data.atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f), keep=os.path.join(args.out, PREV))
+    except OSError as e:
+        print(f"warning: checkpoint of step {S['step']} not written ({e}); training goes on and the next save "
+              f"retries; the last one written is step {S['ckpt_step']}", file=sys.stderr)
+        return False
+    if tag:  # older tags go only now, and the previous checkpoint's stays, so neither file names a deleted one
+        for old in {d for d in os.listdir(ds) if d.startswith("step")} - {tag, S["ds_tag"]}:
             shutil.rmtree(os.path.join(ds, old), ignore_errors=True)
+    S["ckpt_step"], S["ds_tag"] = S["step"], tag
+    return True
+
+
+def read_checkpoint(out, dev):
+    """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable (a
+    truncated copy, a crash between the two renames); an unreadable ckpt.pt becomes ckpt.bad.pt, so it
+    never pushes the good one out at the next save. Neither readable: a message saying what to do."""
+    errors = []
+    for name in (CKPT, PREV):
+        try:
+            ckpt = torch.load(os.path.join(out, name), map_location=dev, weights_only=True)
+            if not isinstance(ckpt, dict) or not {"model", "step", "args", "data"} <= set(ckpt):
+                raise ValueError("not a train.py checkpoint")
+        except Exception as e:  # torch.load raises many kinds on a damaged file
+            errors.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if errors:
+            print(f"warning: {out}/{errors[0]}; resuming from {name} (step {ckpt['step']}) instead", file=sys.stderr)
+            if os.path.exists(os.path.join(out, CKPT)):
+                os.replace(os.path.join(out, CKPT), os.path.join(out, "ckpt.bad.pt"))
+        return name, ckpt
+    raise SystemExit(f"--resume: no readable checkpoint in {out} ({'; '.join(errors)}). Move the damaged files "
+                     f"away and start afresh without --resume/--auto-resume, or put a good checkpoint at {out}/{CKPT}")
 
 
 def load_checkpoint(S, args):
-    ckpt = torch.load(os.path.join(args.out, "ckpt.pt"), map_location=S["dev"], weights_only=True)
+    """Resume: every model/optimizer/RNG/data state of the checkpoint; flags are checked first. -> (file, changed flags)."""
+    picked = [None, None]  # rank 0 picks the file (so also a fallback) and every rank reads that one
+    if S["rank"] == 0:
+        try:
+            name, ckpt = read_checkpoint(args.out, S["dev"])
+            picked[0] = name
+        except SystemExit as e:
+            picked[1] = str(e)
+    if S["world"] > 1:
+        dist.broadcast_object_list(picked, 0)
+    if picked[1]:
+        raise SystemExit(picked[1])
+    if S["rank"] != 0:
+        name = picked[0]
+        ckpt = torch.load(os.path.join(args.out, name), map_location=S["dev"], weights_only=True)
+    changed = {k: (ckpt["args"].get(k), getattr(args, k)) for k in TRAJECTORY if ckpt["args"].get(k) != getattr(args, k)}
+    refused = {k: v for k, v in changed.items() if k not in overrides(args)}
+    if refused:
+        raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" +
+                         "".join(f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
+                         f"Pass the checkpoint's values, or accept the change with --override "
+                         f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
     if ckpt["config"] != S["config"]:
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S['config']}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
@@ -291,7 +396,7 @@ def load_checkpoint(S, args):
         raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['data'])} ranks; resume with as many")
     tag, was = ckpt.get("deepspeed_tag"), ckpt["args"]["dist"]
     if (tag is None) != (S["engine"] is None):  # torch's AdamW state dict vs ZeRO's partitions
-        raise SystemExit(f"--resume: {args.out}/ckpt.pt was written by --dist {was}, whose optimizer state "
+        raise SystemExit(f"--resume: {args.out}/{name} was written by --dist {was}, whose optimizer state "
                          f"--dist {args.dist} cannot read; resume with --dist {was}")
     for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
         S[k].load_state_dict(ckpt[k])  # (LambdaLR's load leaves the optimizer's lr alone)
@@ -301,8 +406,14 @@ def load_checkpoint(S, args):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     S["gen"].set_state(ckpt["rng"]["gen"])
-    S["step"] = ckpt["step"]
-    S.update(ckpt["data"][S["rank"]])
+    S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag, **ckpt["bad"])
+    if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
+        S["sched"].base_lrs = [args.lr] * len(S["sched"].base_lrs)
+        for g in S["opt"].param_groups:
+            g["lr"] = args.lr * S["sched"].lr_lambdas[0](S["sched"].last_epoch)
+    if changed.keys() & set(DATA_FLAGS):  # --override: the saved position means nothing in another stream
+        S.update(epoch=S["epoch"] + 1, batch_in_epoch=0, workers={}, skipped_before=S["skipped"])
+    return name, changed
 
 
 def sample_grid(S, args, path, n_each=1, seed=1234):
@@ -313,8 +424,51 @@ def sample_grid(S, args, path, n_each=1, seed=1234):
     x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
                       seed=seed, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"])
     images = [data.to_pil(im) for im in (x if S["vae"] is None else S["vae"].decode(x))]
-    data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
+    try:
+        data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
+    except OSError as e:  # a full disk must not end a training run over a picture
+        print(f"warning: sample grid {path} not written ({e}); training goes on", file=sys.stderr)
     return data.grade(images, [a for _, a in prompts]) if S["judged"] else None
+
+
+# -----------------------------------------------------------------------------------------------
+# Stop signals: finish the step, checkpoint, exit 0; or, where that is not possible, exit at once
+# -----------------------------------------------------------------------------------------------
+class Interrupted(BaseException):
+    """Raised by StopSignals where the process cannot wait for a step to end. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way (the loader's bad-sample skip) eats it."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGUSR1 (Slurm's warning before the time limit, `#SBATCH --signal`) and SIGTERM (scancel, requeue,
+    torchrun shutting down). While `defer` is set (inside the loop) the first one is only noted: the
+    step finishes, every rank writes one checkpoint and exits 0, and --auto-resume continues from it.
+    Anywhere else (start-up, rendezvous, final samples, one process waiting for data) or at a second
+    signal it raises Interrupted at once, so `timeout`, `kill` and `scancel` never wait on a stuck run.
+    A repeat within `same_event` seconds is the same event arriving twice (Slurm signals every process
+    of a step, and torchrun forwards the signal to the ranks as well), not a second signal."""
+
+    def __init__(self, same_event=2.0):
+        self.caught, self.defer, self.pid, self.first, self.same_event = [], False, os.getpid(), None, same_event
+        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if os.getpid() != self.pid:  # a forked data-loader worker: the main process decides
+            return
+        now = time.monotonic()
+        again = self.first is not None and now - self.first > self.same_event
+        self.first = self.first or now
+        self.caught.append(signum)
+        if not self.defer or again:
+            raise Interrupted(signum)
+
+    def restore(self):
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -322,111 +476,186 @@ def sample_grid(S, args, path, n_each=1, seed=1234):
 # -----------------------------------------------------------------------------------------------
 def main(argv=None):
     args = get_args(argv)
+    signals = StopSignals()  # from here on a stop signal ends the process cleanly (see StopSignals)
+    try:
+        S, log = start(args)
+        S["signals"] = signals
+        stopped = train_loop(args, S, log, signals)
+        return finish(args, S, log, signals, stopped)
+    except Interrupted as e:  # start-up, final samples, or a second signal: leave now, nothing half-written
+        print(f"caught {e}: exiting at once; the last checkpoint written stands", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            os._exit(128 + e.signum)
+        raise SystemExit(128 + e.signum)
+    finally:
+        signals.restore()
+
+
+def start(args):
+    """Run folder, data check, set-up, resume or upcycle, args.json, the banner -> (state, log file)."""
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
-    shards = data.resolve_shards(args.data, args.image_size)
-    pre = data.precomputed_meta(os.path.dirname(shards[0]))  # written by `python data.py precompute`?
+    S = dict(shards=data.resolve_shards(args.data, args.image_size))
+    pre = data.precomputed_meta(os.path.dirname(S["shards"][0]))  # written by `python data.py precompute`?
     if pre and [pre[k] for k in ("vae", "text_encoder", "image_size")] != [args.vae, args.text_encoder, args.image_size]:
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
-    S = setup(args)
+    S.update(setup(args))
     S["judged"] = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
     master = S["rank"] == 0  # only rank 0 prints, logs, samples and writes files
-    say = print if master else (lambda *a, **k: None)
+    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
-        load_checkpoint(S, args)
-        say(f"resumed from {args.out}/ckpt.pt at step {S['step']}")
-    elif args.upcycle:  # the dense run's EMA weights seed the model, its EMA and every expert
-        n = upcycle(S["model"], torch.load(args.upcycle, map_location=S["dev"], weights_only=True)["ema"])
-        S["ema"].load_state_dict(S["model"].state_dict())
-        say(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
-    if master:
+        name, changed = load_checkpoint(S, args)
+        if master:
+            print(f"resumed from {args.out}/{name} at step {S['step']}" +
+                  "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
+            write_log(log, dict(resume=dict(step=S["step"], checkpoint=name, changed=changed)))
+    elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         with open(os.path.join(args.out, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=1)
     total, active = count_params(S["model"])
-    say(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
-          f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | vae {args.vae} | {len(shards)} "
-          f"{'precomputed ' if pre else ''}shards | device {S['dev']} {args.precision}"
-        + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}"
-           if S["world"] > 1 else ""))
+    if master:
+        print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
+              f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | vae {args.vae} | {len(S['shards'])} "
+              f"{'precomputed ' if pre else ''}shards | device {S['dev']} {args.precision}"
+              + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}"
+                 if S["world"] > 1 else ""))
+    return S, log
+
+
+def train_loop(args, S, log, signals):
+    """batch -> encode -> step -> log / samples / checkpoint, until --steps, a stop signal (-> True: this
+    or another rank was sent one) or too many bad steps."""
     from tqdm import tqdm
+    master = S["rank"] == 0
     bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True, disable=not master)
-    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     t_enc = t_total = 0.0  # time in the frozen encoders (VAE + text) vs the whole step
     n_seen, t_window = 0, time.time()
-    # pre-emption: Slurm sends SIGUSR1 before the time limit (#SBATCH --signal) and SIGTERM on
-    # scancel/requeue; finish the step, write a checkpoint, leave. --auto-resume picks it up.
-    caught = []
-    old = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    for b in batches(args, S, shards):
-        if S["step"] >= args.steps:  # (a resumed run that was already done)
-            break
-        t0 = time.perf_counter()
-        x0, text, mask = encode_batch(S, b)
-        t1 = time.perf_counter()
-        st = train_step(S, args, x0, text, mask)
-        t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
-        n_seen += x0.shape[0] * S["world"]
-        logging_step = S["step"] % args.log_every == 0 or S["step"] == args.steps
-        if logging_step and S["world"] > 1:  # log the global batch's loss, not just rank 0's share
-            mean = torch.tensor([st["loss"]], device=S["dev"])
-            dist.all_reduce(mean)
-            st["loss"] = mean.item() / S["world"]
-        if master and logging_step:
-            ips = n_seen / (time.time() - t_window)
-            n_seen, t_window = 0, time.time()
-            rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
-                       lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"], img_per_s=ips,
-                       encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"])
-            if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-                rec.update(balance_loss=st["balance"], routing=routing_stats(S["model"]))
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            bar.set_postfix(loss=f"{st['loss']:.4f}", img_s=f"{ips:.0f}")
-        bar.update(1)
-        if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
-            acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-            log.write(json.dumps(dict(step=S["step"], sample_acc=acc)) + "\n")
-        if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
-            save_checkpoint(S, args)
-        if S["step"] >= args.steps or stop_now(S, caught):  # before the next batch is fetched, so the
-            break                                            # saved data position is exact
+    stream, stopped = batches(args, S, S["shards"]), False
+    try:
+        signals.defer = S["world"] > 1  # one process: a signal while it waits for data stops it at once
+        b = first_batch(S, stream) if S["step"] < args.steps else None
+        while b is not None:
+            signals.defer = True  # from here the step finishes before a signal is acted on
+            t0 = time.perf_counter()
+            x0, text, mask = encode_batch(S, b)
+            t1 = time.perf_counter()
+            st = train_step(S, args, x0, text, mask)
+            t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
+            n_seen += x0.shape[0] * S["world"]
+            if master and (st["bad"] or S["step"] % args.log_every == 0 or S["step"] == args.steps):
+                ips = n_seen / (time.time() - t_window)
+                n_seen, t_window = 0, time.time()
+                rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
+                           lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"], img_per_s=ips,
+                           encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"],
+                           bad_steps=S["bad_steps"])
+                if st["bad"]:  # nothing was updated: the step number stays
+                    rec["bad_step"] = True
+                if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
+                    rec.update(balance_loss=st["balance"], routing=routing_stats(S["model"]))
+                write_log(log, rec)
+                bar.set_postfix(loss=f"{st['loss']:.4f}", img_s=f"{ips:.0f}", bad=S["bad_steps"])
+            if st["bad"]:
+                if S["bad_in_a_row"] >= args.max_bad_steps:
+                    fail(S, f"stopping at step {S['step']}: the last {S['bad_in_a_row']} steps had a non-finite loss or "
+                            f"gradient norm and were skipped. The last good checkpoint is {args.out}/{CKPT} at step "
+                            f"{S['ckpt_step']}: check the data, or resume from it with a lower --lr (--override lr)", log)
+            else:
+                bar.update(1)
+                if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
+                    acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
+                    write_log(log, dict(step=S["step"], sample_acc=acc))
+                if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
+                    save_checkpoint(S, args)
+            stopped = st["stop"]
+            if S["step"] >= args.steps or stopped:  # before the next batch is fetched, so the saved
+                break                               # data position is exact
+            signals.defer = S["world"] > 1
+            b = next(stream)
+    except Interrupted:
+        if signals.defer or S["world"] > 1:  # (defer set: it was a second signal)
+            raise
+        stopped = True  # one process, waiting for data: the last step is complete, so it checkpoints
     bar.close()
-    for s, handler in old.items():
-        signal.signal(s, handler)
-    if caught:
-        save_checkpoint(S, args)
-        say(f"caught {signal.Signals(caught[0]).name}: checkpoint written at step {S['step']}; "
-            f"continue with --resume (or --auto-resume)")
+    S["t_enc"], S["t_total"] = t_enc, t_total
+    return stopped
+
+
+def finish(args, S, log, signals, stopped):
+    """After the loop: on a signal, one checkpoint and exit; else the final samples and evaluation."""
+    master, code = S["rank"] == 0, 0
+    if stopped:
+        name = signal.Signals(signals.caught[0]).name if signals.caught else "a signal sent to another rank"
+        print(f"rank {S['rank']}: caught {name}, stopping after step {S['step']}", flush=True)
+        signals.defer = True  # (a second signal still ends it at once)
+        if save_checkpoint(S, args):
+            if master:
+                print(f"caught {name}: checkpoint written at step {S['step']}; continue with --resume (or --auto-resume)")
+        else:
+            code = 1
     elif master:
+        signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
+        t_enc, t_total = S["t_enc"], S["t_total"]
         print(f"frozen encoders' share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
-              f"skipped samples: {S['skipped']}")
+              f"skipped samples: {S['skipped']} | skipped non-finite steps: {S['bad_steps']}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
         if args.eval_n and not S["judged"]:
             print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
         elif args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
             acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed)
-            log.write(json.dumps(dict(step=S["step"], eval=acc)) + "\n")
+            write_log(log, dict(step=S["step"], eval=acc))
             print(f"caption accuracy of EMA samples ({args.eval_n * len(data.heldout_prompts(1))} held-out prompts, "
                   f"{args.sample_steps} steps, cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
     if log:
         log.close()
     if args.dist != "none":
-        finish_distributed(S)  # does not return
+        finish_distributed(S, code)  # does not return
+    if code:
+        raise SystemExit(code)
     return S
 
 
-def stop_now(S, caught):
-    """Did this process, or any rank, receive a pre-emption signal? (All ranks stop together.)"""
+def first_batch(S, stream):
+    """Every rank fetches its first batch before any step. If one cannot (no full batch in its data, a
+    loader error), every rank stops with the reasons, instead of the others waiting in an all-reduce."""
+    try:
+        b, why = next(stream), None
+    except (SystemExit, Exception) as e:  # batches() exits on an epoch without a batch
+        b, why = None, str(e)
+    whys = [why]
+    if S["world"] > 1:
+        whys = [None] * S["world"]
+        dist.all_gather_object(whys, why)
+    if any(whys):
+        fail(S, "no training batch: " + "\n".join(dict.fromkeys(w for w in whys if w)))
+    return b
+
+
+def write_log(log, rec):
+    """One JSON line; NaN and inf become null (json.dumps would write bare NaN, which is not JSON)."""
+    def safe(x):
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: safe(v) for k, v in x.items()}
+        return [safe(v) for v in x] if isinstance(x, (list, tuple)) else x
+    if log:
+        log.write(json.dumps(safe(rec), allow_nan=False) + "\n")
+        log.flush()
+
+
+def fail(S, msg, log=None):
+    """Every rank calls this at the same point: the message, then exit status 1 on every rank."""
+    if log:
+        log.close()
     if S["world"] == 1:
-        return bool(caught)  # no tensor, no device sync in the hot loop
-    flag = torch.tensor([float(bool(caught))], device=S["dev"])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and not caught:
-        caught.append(signal.SIGTERM)  # another rank was told: stop here too
-    return bool(flag.item())
+        raise SystemExit(msg)
+    if S["rank"] == 0:
+        print(msg, file=sys.stderr, flush=True)
+    leave_distributed(1)
 
 
-def finish_distributed(S):
+def finish_distributed(S, code=0):
     """Check that the replicas agree, then leave cleanly."""
     flat = torch.cat([p.detach().flatten() for p in S["model"].parameters()])
     ref = flat.clone()
@@ -438,17 +667,17 @@ def finish_distributed(S):
     if S["rank"] == 0:  # rank 0 has written the checkpoint; use sample.py on it
         print(f"parameters identical on all {S['world']} ranks: {all(same)}")
         print(f"optimizer state bytes per rank: {opt_bytes}")
-    leave_distributed()
+    leave_distributed(code)
 
 
-def leave_distributed():
-    """barrier -> destroy -> flush -> os._exit(0): gloo can abort at interpreter exit after the
-    work is done ("terminate called without an active exception"); this order never did here."""
+def leave_distributed(code=0):
+    """barrier -> destroy -> flush -> os._exit: gloo can abort at interpreter exit after the work is
+    done ("terminate called without an active exception"); this order never did here."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
