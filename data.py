@@ -378,7 +378,7 @@ class TextEncoder:
     fp16, as precomputed shards store them (`test_caption_states_are_the_same_bits_...`). The misses
     of a batch are encoded together, one forward per chunk; the cache keeps the real tokens of the
     last `cache_size` distinct captions (least recently used goes first) on the CPU in fp16, so it
-    costs host RAM, never GPU memory (MiniLM ~10 KB a caption, CLIP-L ~25 KB).
+    costs host RAM, never GPU memory (MiniLM ~10-15 KB a caption, CLIP-L ~25 KB).
     """
 
     def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):

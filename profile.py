@@ -242,7 +242,7 @@ def compare(args, argv):
         for r in range(args.repeats):
             for v in values:
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
-                out = os.path.join(tmp, f"{v}-{r}.json")
+                out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")  # (a value may be a path)
                 cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
                 env = dict(os.environ)
                 if flag in ("nproc", "dist"):  # N processes x 1 thread each under torchrun (dist: 2 ranks)

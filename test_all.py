@@ -569,9 +569,11 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(tmp_path):
     assert len(losses[1]) == 4 and losses[0] == losses[1], losses
     assert [d for d in os.listdir(os.path.join(b, "deepspeed")) if d.startswith("step")] == ["step000004"]
     # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
-    S = dict(dev="cpu", config=cb["config"], world=2, engine=None)
-    with pytest.raises(SystemExit, match="resume with --dist deepspeed"):
-        train.load_checkpoint(S, train.get_parser().parse_args(["--out", b, "--dist", "ddp"]))
+    assert flags[-2:] == ["--dist", "deepspeed"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), "train.py", *flags[:-2], "--dist", "ddp", "--out", b, "--resume"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "resume with --dist deepspeed" in r.stderr, r.stderr[-3000:]
     # ckpt.pt holds the consolidated model + EMA: sample.py needs no DeepSpeed
     r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(b, "ckpt.pt"), "--prompt", "a red circle",
                         "--n", "1", "--steps", "2", "--out", str(tmp_path / "g.png")], cwd=ROOT, capture_output=True,
@@ -579,10 +581,10 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(tmp_path):
     assert r.returncode == 0 and os.path.exists(tmp_path / "g.png"), r.stderr[-3000:]
 
 
-def sbatch(tmp_path, flags, nproc=1, wait=True):
+def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    cmd = ["sbatch", "--gpus-per-node=0", "--cpus-per-task=2", f"--output={tmp_path}/slurm-%j.out"]
+    cmd = ["sbatch", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
     return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -598,26 +600,49 @@ def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
 
 
 @needs_slurm
-def test_requeued_slurm_job_resumes_and_ends_where_an_uninterrupted_run_does(tmp_path):
+def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
+    """Both ways a cluster pre-empts: USR1 to the batch shell only (`--signal=B:USR1`, here `scancel --batch`),
+    which must travel batch script -> srun -> torchrun -> every rank; and `scontrol requeue` (SIGTERM to
+    every process of the job). The two jobs run side by side, so Slurm's ~2 min requeue hold is paid once."""
     import time
     flags = SLURM_TINY + ["--steps", "400", "--log-every", "1", "--ckpt-every", "1000"]
-    job = sbatch(tmp_path, flags + ["--out", str(tmp_path / "b")], wait=False).stdout.strip().split(";")[0]
-    log, deadline = tmp_path / "b" / "log.jsonl", time.time() + 120
-    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
-        time.sleep(0.1)
-    subprocess.run(["scontrol", "requeue", job], check=True)  # pre-empted: SIGTERM, then back in the queue
-    train.main(flags + ["--out", str(tmp_path / "a")])  # meanwhile: the same run, uninterrupted
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
-        assert time.time() < deadline + 400, "requeued job did not finish"
-        time.sleep(1)
-    out = "".join(open(p).read() for p in tmp_path.glob("slurm-*.out"))
-    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state
-    assert "resumed from" in out  # from the checkpoint the SIGTERM handler wrote (--ckpt-every 1000)
-    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
-    assert b["step"] == 400
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
+    jobs = {}
+    for how, nproc in (("usr1", 2), ("requeue", 1)):
+        (tmp_path / how).mkdir()
+        r = sbatch(tmp_path / how, flags + ["--out", str(tmp_path / how / "run")], nproc=nproc, wait=False, cpus=1)
+        jobs[how] = r.stdout.strip().split(";")[0]
+        assert jobs[how], r.stderr
+    for how, job in jobs.items():
+        wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job] if how == "usr1" else ["scontrol", "requeue", job],
+                       check=True)
+    train.main(flags + ["--out", str(tmp_path / "one")])  # meanwhile: the same runs, uninterrupted
+    torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "two")])
+    deadline = time.time() + 600
+    while subprocess.run(["squeue", "-h", "-j", ",".join(jobs.values())], capture_output=True, text=True).stdout.strip():
+        assert time.time() < deadline, "requeued jobs did not finish"
+        time.sleep(2)
+    for how, ref in (("usr1", "two"), ("requeue", "one")):
+        out = "".join(open(p).read() for p in (tmp_path / how).glob("slurm-*.out"))
+        state = subprocess.run(["scontrol", "show", "job", jobs[how]], capture_output=True, text=True).stdout
+        assert "JobState=COMPLETED" in state and "Restarts=1" in state, (how, state, out[-3000:])
+        ckpt = torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True)
+        a = torch.load(tmp_path / ref / "ckpt.pt", weights_only=True)
+        assert ckpt["step"] == 400 and ckpt["data"] == a["data"]
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], ckpt["model"][name]), (how, name)
+        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl") if '"resume"' in l]
+        assert len(resumed) == 1 and 5 <= resumed[0] < 400, how  # from the checkpoint the signal made (--ckpt-every 1000)
+        if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
+            chain = ["run.slurm: USR1, passing it to the training step", "rank 0: caught SIGUSR1",
+                     "rank 1: caught SIGUSR1", f"caught SIGUSR1: checkpoint written at step {resumed[0]}",
+                     "run.slurm: checkpoint written; requeueing job", f"resumed from {tmp_path / how / 'run'}/ckpt.pt "
+                     f"at step {resumed[0]}", "parameters identical on all 2 ranks: True"]
+            where = [out.find(chain[0])]
+            where += [out.find(s, where[0]) for s in chain[1:3]]  # (the two ranks in either order)
+            for s in chain[3:]:
+                where.append(out.find(s, max(where)) if min(where) >= 0 else -1)
+            assert min(where) >= 0, (chain, where, out[-4000:])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1082,3 +1107,82 @@ def test_caption_states_are_the_same_bits_in_any_batch_cached_or_not():
     assert len(cached.cache) == 3 and list(cached.cache)[-1] == caps[7]  # bounded; most recent kept last
     assert all(h.dtype == torch.float16 and h.device.type == "cpu" for h, _ in cached.cache.values())
     assert len(fresh.cache) == 0
+
+
+def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(tmp_path):
+    import signal
+    import time
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "1000", "--ckpt-every", "1000"]
+    cases = {  # where the process is stuck -> (exit status, what it prints)
+        "startup": ("real = train.setup\ndef setup(args):\n    print('stuck', flush=True); time.sleep(600)\n"
+                    "train.setup = setup", 128 + signal.SIGTERM, "caught SIGTERM: exiting at once"),
+        "data": ("import itertools\nreal = train.batches\ndef batches(args, S, shards):\n    it = real(args, S, shards)\n"
+                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True); time.sleep(600)\n"
+                 "        yield next(it)\ntrain.batches = batches", 0, "checkpoint written at step 3"),
+        "step": ("real = train.train_step\ndef step(S, *a):\n    if S['step'] == 3: print('stuck', flush=True); "
+                 "time.sleep(600)\n    return real(S, *a)\ntrain.train_step = step", 128 + signal.SIGTERM, "exiting at once"),
+    }
+    for case, (body, code, says) in cases.items():
+        out = tmp_path / case
+        p = run_script(tmp_path, body, flags + ["--out", str(out)])
+        for line in p.stdout:  # the banner, then "stuck"
+            if "stuck" in line:
+                break
+        p.send_signal(signal.SIGTERM)
+        if case == "step":  # inside a step the first signal waits for the step to end; a second one does not
+            time.sleep(3)
+            assert p.poll() is None
+            p.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == code and says in stdout + stderr, (case, p.returncode, stderr[-2000:])
+        assert time.time() - t0 < 15, case
+        assert not list(out.rglob("*.tmp"))
+        if case == "data":  # one process waiting for data: its last step is complete, so it checkpoints
+            assert torch.load(out / "ckpt.pt", weights_only=True)["data"][0]["batch_in_epoch"] == 3
+        else:
+            assert not (out / "ckpt.pt").exists()
+
+
+def test_usr1_to_torchrun_checkpoints_every_rank_and_the_resumed_run_is_exact(tmp_path, builtin16):
+    import signal
+    flags = TINY + ["--image-size", "16", "--steps", "100", "--ckpt-every", "1000", "--batch-size", "8",
+                    "--workers", "1", "--dist", "ddp"]
+    torchrun(tmp_path, 2, flags + ["--out", str(tmp_path / "a")])  # uninterrupted
+    b = tmp_path / "b"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          free_port(), "--signals-to-handle", train.HANDLED_BY_TORCHRUN,  # as run.slurm passes it
+                          "train.py", *flags, "--out", str(b)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_log_lines(b / "log.jsonl", 5)
+    p.send_signal(signal.SIGUSR1)  # to torchrun, as Slurm's `--signal` reaches it through srun
+    out, err = p.communicate(timeout=120)
+    stopped = torch.load(b / "ckpt.pt", weights_only=True)["step"]
+    assert 5 <= stopped < 100, err[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: caught SIGUSR1, stopping after step {stopped}" in out, out[-3000:]
+    assert f"checkpoint written at step {stopped}" in out
+    assert subprocess.run(["pgrep", "-f", str(b)], capture_output=True).returncode == 1  # no orphaned rank
+    assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", str(b), "--auto-resume"])
+    ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "a", b))
+    assert cb["step"] == 100 and ca["data"] == cb["data"]
+    for name in ca["model"]:
+        assert torch.equal(ca["model"][name], cb["model"][name]), name
+
+
+def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
+    dense = str(tmp_path / "dense")
+    train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", dense])
+    hidden = str(moe.dense_hidden(32))
+    flags = TINY + ["--image-size", "16", "--steps", "1", "--lr", "1e-12", "--warmup", "1", "--batch-size", "8",
+                    "--workers", "1", "--moe", "4", "--expert-hidden", hidden, "--upcycle", os.path.join(dense, "ckpt.pt"),
+                    "--dist", "deepspeed", "--out", str(tmp_path / "up")]
+    assert "upcycled from" in torchrun(tmp_path, 2, flags)
+    parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)
+    child = torch.load(tmp_path / "up" / "ckpt.pt", weights_only=True)
+    d, m = DiT(**parent["config"]), DiT(**child["config"])
+    d.load_state_dict(parent["ema"])
+    m.load_state_dict(child["model"])  # the weights after one (1e-12) step
+    inputs = toy_inputs(D_text=384)
+    assert torch.allclose(m(*inputs), d(*inputs), atol=1e-5)  # (the bug restored the random init: far off)

@@ -8,9 +8,13 @@ Distributed runs are the same file under torchrun (`--dist ddp` or `--dist deeps
 the RANK variable torchrun sets, so plain `python train.py` needs no launcher. Everything lives in
 functions and runs only under __main__, so the tests and profile.py reuse the very same parser
 and step. Resume is exact: the checkpoint holds model, EMA, optimiser,
-schedule, step, flags, every RNG state and the data position (epoch, batch within the epoch); the
-data order is a pure function of (seed, epoch, rank, worker), so skipping the consumed batches of
-the current epoch puts the stream exactly where it was.
+schedule, step, flags, every RNG state and the data position (epoch, and how far each loader worker
+got); the data order is a pure function of (seed, epoch, rank, worker), so passing over the consumed
+samples of the current epoch (read, not decoded) puts the stream exactly where it was.
+
+Faults (README's table): a stop signal checkpoints after the step or, where no step runs, ends the
+process at once (StopSignals); a non-finite step is skipped on every rank; checkpoints are fsynced
+and the previous one is kept as a fallback; a full disk warns; a resume with changed flags is refused.
 """
 import argparse
 import copy
@@ -36,7 +40,7 @@ CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and
 DATA_FLAGS = ("data", "batch_size", "workers", "seed")  # they define the stream the saved data position points into
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "cfg_drop", "ema", "precision", "text_encoder", "vae",
                            "image_size")  # --resume refuses a change to these unless --override names it
-HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default list lacks SIGUSR1
+HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # for torchrun --signals-to-handle: its default lacks USR1
 
 
 # -----------------------------------------------------------------------------------------------
@@ -142,7 +146,7 @@ def setup(args):
         dist.init_process_group("nccl" if dev == "cuda" else "gloo")
         if rank == 0 and "SIGUSR1" not in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ""):
             print(f"warning: torchrun dies on SIGUSR1 (Slurm's time-limit warning) and orphans the ranks unless "
-                  f"started with TORCHELASTIC_SIGNALS_TO_HANDLE={HANDLED_BY_TORCHRUN} (run.slurm sets it)")
+                  f"started with --signals-to-handle {HANDLED_BY_TORCHRUN} (run.slurm passes it)")
     if args.precision is None:
         args.precision = "bf16" if dev == "cuda" else "fp32"
     if dev == "cuda":
@@ -331,8 +335,12 @@ def save_checkpoint(S, args):
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
                 bad=dict(bad_steps=S["bad_steps"], bad_in_a_row=S["bad_in_a_row"]),
                 data=positions)  # one data position per rank
+    keep = os.path.join(args.out, PREV)
+    if S["ckpt_step"] is None and os.path.exists(keep):  # another run's, left in this folder: never a fallback
+        os.remove(keep)
     try:
-        data.atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f), keep=os.path.join(args.out, PREV))
+        data.atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
+                          keep=keep if S["ckpt_step"] is not None else None)
     except OSError as e:
         print(f"warning: checkpoint of step {S['step']} not written ({e}); training goes on and the next save "
               f"retries; the last one written is step {S['ckpt_step']}", file=sys.stderr)
@@ -406,12 +414,14 @@ def load_checkpoint(S, args):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     S["gen"].set_state(ckpt["rng"]["gen"])
-    S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag, **ckpt["bad"])
+    S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag, **ckpt.get("bad", {}))
+    if "workers" not in ckpt["data"][S["rank"]]:  # an older train.py's checkpoint: its epoch cannot be replayed
+        changed["data_position"] = ("no per-worker position", "next epoch")
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
         S["sched"].base_lrs = [args.lr] * len(S["sched"].base_lrs)
         for g in S["opt"].param_groups:
             g["lr"] = args.lr * S["sched"].lr_lambdas[0](S["sched"].last_epoch)
-    if changed.keys() & set(DATA_FLAGS):  # --override: the saved position means nothing in another stream
+    if changed.keys() & set(DATA_FLAGS + ("data_position",)):  # the saved position means nothing in another stream
         S.update(epoch=S["epoch"] + 1, batch_in_epoch=0, workers={}, skipped_before=S["skipped"])
     return name, changed
 
