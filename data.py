@@ -303,7 +303,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         for _ in zip(range(done["raw"]), stream):  # resume: consumed samples, read but not decoded
             pass
         raw, skipped = done["raw"], done["skipped"]  # (errors met while passing over were counted before)
-        for b in range(done["batches"]):
+        for _ in range(done["batches"]):
             yield dict(consumed=True, worker=wid)
         items = []
         for s in stream:

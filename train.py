@@ -603,6 +603,10 @@ def finish(args, S, log, signals, stopped):
                 print(f"caught {name}: checkpoint written at step {S['step']}; continue with --resume (or --auto-resume)")
         else:
             code = 1
+    elif master and S["ckpt_step"] != S["step"]:  # the final save failed (its warning says why): say so, exit 1
+        print(f"error: the checkpoint of the final step {S['step']} could not be written; the last one on disk is "
+              f"step {S['ckpt_step']}", file=sys.stderr)
+        code = 1
     elif master:
         signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
         t_enc, t_total = S["t_enc"], S["t_total"]
