@@ -415,13 +415,14 @@ def load_checkpoint(S, args):
     random.setstate(ckpt["rng"]["python"])
     S["gen"].set_state(ckpt["rng"]["gen"])
     S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag, **ckpt.get("bad", {}))
-    if "workers" not in ckpt["data"][S["rank"]]:  # an older train.py's checkpoint: its epoch cannot be replayed
-        changed["data_position"] = ("no per-worker position", "next epoch")
+    old_format = "workers" not in ckpt["data"][S["rank"]]  # an older train.py's: its epoch cannot be replayed
+    if old_format and S["rank"] == 0:
+        print(f"warning: {args.out}/{name} has no per-worker data position (older train.py): next epoch", file=sys.stderr)
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
         S["sched"].base_lrs = [args.lr] * len(S["sched"].base_lrs)
         for g in S["opt"].param_groups:
             g["lr"] = args.lr * S["sched"].lr_lambdas[0](S["sched"].last_epoch)
-    if changed.keys() & set(DATA_FLAGS + ("data_position",)):  # the saved position means nothing in another stream
+    if old_format or changed.keys() & set(DATA_FLAGS):  # the saved position means nothing in another stream
         S.update(epoch=S["epoch"] + 1, batch_in_epoch=0, workers={}, skipped_before=S["skipped"])
     return name, changed
 
