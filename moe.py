@@ -18,14 +18,22 @@ Decisions recorded here:
     same scale whatever E and k are, and an upcycled model starts exactly equal to its dense parent.
   * expert width: by default each expert has hidden = dense_hidden / (k + shared), so the active
     (per-token) MLP parameters equal the dense MLP's; the total grows with E.
-  * two dispatches, one flag (`--moe-impl`): `loop` is the readable reference (for every expert,
-    find its tokens with a boolean mask, run it, add the weighted result back: DiT-MoE's training
-    path); `sorted` sorts the T*k (token, expert) assignments by expert once, runs every expert on
-    one contiguous slice, and scatters back in one index_add. Empty experts cost nothing in both.
+  * three dispatches, one flag (`--moe-impl`), equal outputs and gradients (tested):
+    `loop` is the readable reference (for every expert, find its tokens with a boolean mask, run
+    it, add the weighted result back: DiT-MoE's training path); `sorted` sorts the T*k (token,
+    expert) assignments by expert once, runs every expert on one contiguous slice, and scatters
+    back in one index_add (the CPU default: E small matmuls are what a CPU is good at);
+    `grouped` (the CUDA default) lays the same sorted rows out in a buffer of fixed size, each
+    expert's group padded to a multiple of ALIGN rows, and runs all experts' W13, then all W2, as
+    ONE grouped GEMM each (`F.grouped_mm`, torchtitan's design). Every shape in it is fixed by
+    (T, k, E): no host sync (loop and sorted read the counts on the host), one compile, no
+    recompiles. Loop and sorted run eagerly under torch.compile (their shapes change every step).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+ALIGN = 16  # grouped GEMM: rows per expert group padded to a multiple of this (16-byte aligned for bf16 and fp8)
 
 
 def dense_hidden(dim):
@@ -82,8 +90,7 @@ class MoE(nn.Module):
         probs = self.router(x).float().softmax(dim=-1)
         w, idx = probs.topk(self.k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        counts = torch.bincount(idx.flatten(), minlength=self.E)            # tokens per expert
-        f = counts.float() / idx.numel()                                    # (E,) sums to 1
+        f = expert_counts(idx, self.E).float() / idx.numel()                # (E,) sums to 1
         self.aux_loss = self.alpha * self.E * (f * probs.mean(0)).sum()     # Switch balance loss
         with torch.no_grad():  # for log.jsonl: load per expert, router entropy
             ent = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
@@ -94,11 +101,12 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D): every image token of every sample
         _, w, idx = self.route(x)
-        y = self.dispatch_loop(x, w, idx) if self.impl == "loop" else self.dispatch_sorted(x, w, idx)
+        y = {"loop": self.dispatch_loop, "sorted": self.dispatch_sorted, "grouped": self.dispatch_grouped}[self.impl](x, w, idx)
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(shape)
 
+    @torch.compiler.disable  # data-dependent shapes: runs eagerly (a graph break) instead of recompiling
     def dispatch_loop(self, x, w, idx):
         """Reference: for each expert, boolean-mask its tokens, run it, add the weighted result."""
         y = torch.zeros_like(x)
@@ -111,6 +119,7 @@ class MoE(nn.Module):
             y[rows] = y[rows] + gate * expert(x[rows], *self.weights(e))
         return y
 
+    @torch.compiler.disable
     def dispatch_sorted(self, x, w, idx):
         """Fast: sort the T*k assignments by expert, one contiguous slice per expert, one scatter."""
         flat = idx.flatten()                               # (T*k,) expert of each assignment
@@ -122,6 +131,45 @@ class MoE(nn.Module):
                          for e, chunk in enumerate(xs.split(counts)) if counts[e]])
         out = out * w.flatten()[order, None]               # gate weights, in the same order
         return torch.zeros_like(x).index_add_(0, token, out)  # back to token order, summing the k
+
+    def dispatch_grouped(self, x, w, idx):
+        """GPU: the sorted rows in a fixed-size buffer, each expert's group padded to ALIGN rows, then
+        W13 and W2 of all experts as one grouped GEMM each. No host sync, no data-dependent shape."""
+        T, E, n = x.shape[0], self.E, idx.numel()
+        flat = idx.flatten()                                # (T*k,)
+        order = flat.argsort(stable=True)
+        token, e = order // self.k, flat[order]             # sorted rows: their token and expert
+        counts = expert_counts(idx, E)                      # (E,) on the device, never read by the host
+        padded = (counts + ALIGN - 1) // ALIGN * ALIGN      # group sizes rounded up
+        ends = padded.cumsum(0)                             # where each padded group ends
+        dest = ends[e] - padded[e] + torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[e]
+        rows = n + E * ALIGN                                # > any possible sum of padded groups: fixed
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        buf = x.new_zeros(rows, x.shape[1], dtype=dt).index_copy(0, dest, x[token].to(dt))  # (rows, D)
+        group = torch.searchsorted(ends, torch.arange(rows, device=x.device), right=True).clamp(max=E - 1)
+        used = (torch.arange(rows, device=x.device) < ends[-1])[:, None]  # rows past the last group: no output
+        mm = F.grouped_mm if dt == torch.bfloat16 else grouped_mm_eager
+        h = mm(buf, self.w13.to(dt), offs=ends.int()) + self.b13[group].to(dt)  # (rows, 2H)
+        a, b = torch.where(used, h, 0).chunk(2, dim=-1)
+        out = mm(F.silu(a) * b, self.w2.to(dt), offs=ends.int()) + self.b2[group].to(dt)  # (rows, D)
+        out = out[dest].to(x.dtype) * w.flatten()[order, None]  # back to the sorted rows, gate weights
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+# torch.compile's shape check of grouped_mm accepts only bf16 (its fast dtype): in fp32 (the CPU) the
+# two GEMMs run outside the compiled graph; the shapes stay fixed, so there is still one compile.
+grouped_mm_eager = torch.compiler.disable(F.grouped_mm)
+
+
+def expert_counts(idx, E):
+    """Assignments per expert (E,), computed on the device (torch.bincount reads its max on the host)."""
+    flat = idx.flatten()
+    return torch.zeros(E, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def default_impl(device):
+    """The dispatch for a device: one grouped GEMM per weight on CUDA, per-expert slices on a CPU."""
+    return "grouped" if str(device).startswith("cuda") else "sorted"
 
 
 def balance_loss(model):

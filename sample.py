@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import data
 import flow
 from model import DiT
-from moe import MoE
+from moe import MoE, default_impl
 
 
 def get_args(argv=None):
@@ -83,7 +83,7 @@ def load(path, raw=False):
     VAE (None in pixel space) rides along as model.vae."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ckpt = torch.load(path, map_location=dev, weights_only=True)
-    model = DiT(**ckpt["config"]).to(dev)
+    model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)  # the dispatch that suits this device
     model.load_state_dict(ckpt["model" if raw else "ema"])
     model.vae = data.load_vae(ckpt["args"].get("vae", "none"), dev)  # (a plain attribute: not a submodule)
     encoder = data.TextEncoder(ckpt["args"]["text_encoder"], device=dev)

@@ -935,32 +935,32 @@ def wait_for_log_lines(path, n, timeout=120):
     assert path.exists() and len(path.read_text().splitlines()) >= n, f"{path}: fewer than {n} lines"
 
 
-def test_a_nan_step_changes_nothing_is_logged_as_null_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_path, monkeypatch):
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     poison(monkeypatch, lambda n: n == 4)
     real, checked = train.train_step, []
 
-    def spy(S, *a, **k):  # a bad step must leave model, EMA, optimizer and schedule exactly as they were
+    def spy(S, *a, **k):  # a bad step must leave model, EMA and optimizer moments exactly as they were
         before = copy.deepcopy({k: S[k].state_dict() for k in ("model", "ema", "opt", "sched")})
         st = real(S, *a, **k)
         if st["bad"]:
             after = {k: S[k].state_dict() for k in before}
             for k in ("model", "ema"):
                 assert all(torch.equal(before[k][n], after[k][n]) for n in before[k]), k
-            assert after["sched"]["last_epoch"] == before["sched"]["last_epoch"]
-            assert all(torch.equal(before["opt"]["state"][i]["exp_avg"], after["opt"]["state"][i]["exp_avg"])
-                       for i in before["opt"]["state"])
+            assert after["sched"]["last_epoch"] == before["sched"]["last_epoch"] + 1  # it takes its step number
+            assert all(torch.equal(before["opt"]["state"][i][m], after["opt"]["state"][i][m]) for i in
+                       before["opt"]["state"] for m in ("exp_avg", "exp_avg_sq", "step"))
             checked.append(S["step"])
         return st
     monkeypatch.setattr(train, "train_step", spy)
     out = tmp_path / "run"
     train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "8", "--out", str(out)])
-    assert checked == [3]  # the 4th batch: 3 steps done, nothing changed
+    assert checked == [4]  # the 4th batch: step 4, nothing changed
     recs = [strict_json(l) for l in open(out / "log.jsonl")]  # every line valid JSON
     bad = [r for r in recs if r.get("bad_step")]
-    assert len(bad) == 1 and bad[0]["loss"] is None and bad[0]["step"] == 3
+    assert len(bad) == 1 and bad[0]["loss"] is None and bad[0]["step"] == 4 and recs[-1]["bad_steps"] == 1
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ckpt["step"] == 8 and ckpt["bad"]["bad_steps"] == 1  # 8 real updates from 9 batches
+    assert ckpt["step"] == 8 and ckpt["bad"].tolist() == [1, 0, 1]  # total, in a row now, longest run
     assert all(v.isfinite().all() for k in ("model", "ema") for v in ckpt[k].values())
 
 
@@ -968,11 +968,11 @@ def test_too_many_bad_steps_in_a_row_stop_naming_the_last_good_checkpoint(tmp_pa
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     poison(monkeypatch, lambda n: n >= 6)  # from the 6th batch on, every loss is NaN: a diverged run
     out = tmp_path / "run"
-    with pytest.raises(SystemExit, match=r"stopping at step 5: the last 3 steps .* non-finite.* at step 4"):
+    with pytest.raises(SystemExit, match=r"stopping at step 8: 3 steps in a row .* non-finite.* at step 6"):
         train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "20", "--ckpt-every", "2",
                            "--max-bad-steps", "3", "--out", str(out)])
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ckpt["step"] == 4 and all(v.isfinite().all() for v in ckpt["model"].values())
+    assert ckpt["step"] == 6 and all(v.isfinite().all() for v in ckpt["model"].values())
     assert [strict_json(l).get("bad_step") for l in open(out / "log.jsonl")][-3:] == [True] * 3
 
 
@@ -988,7 +988,7 @@ def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert p.returncode == 0, err[-3000:]
     assert "parameters identical on all 2 ranks: True" in out  # both skipped it: the replicas never diverged
     recs = [strict_json(l) for l in open(tmp_path / "run" / "log.jsonl")]
-    assert [r["step"] for r in recs if r.get("bad_step")] == [2]
+    assert [r["step"] for r in recs if r.get("bad_step")] == [3]
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 5
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import data
 import flow
 from model import DiT, count_params
-from moe import balance_loss, routing_stats, upcycle
+from moe import balance_loss, default_impl, routing_stats, upcycle
 
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
@@ -64,7 +64,8 @@ def get_parser():
     a("--moe", type=int, default=0, help="experts per image-stream MLP (DiT-MoE); 0 = dense")
     a("--topk", type=int, default=2, help="experts each image token is routed to")
     a("--shared-experts", type=int, default=2, help="always-on shared experts per MoE layer (DiT-MoE uses 2)")
-    a("--moe-impl", default="sorted", choices=["loop", "sorted"], help="MoE dispatch: readable loop or sorted slices")
+    a("--moe-impl", default=None, choices=["loop", "sorted", "grouped"], help="MoE dispatch (equal results): "
+      "readable loop, sorted slices (default on CPU) or one grouped GEMM per weight, no host sync (default on CUDA)")
     a("--expert-hidden", type=int, default=None, help="hidden size of each expert (default: dense / (topk + shared))")
     a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
     a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="none: one process; ddp: PyTorch DDP "
@@ -90,7 +91,8 @@ def get_parser():
       "without it a resume that changes a flag of the run's trajectory is refused (README: what each costs)")
     a("--max-bad-steps", type=int, default=10, help="stop after this many consecutive steps with a non-finite loss "
       "or gradient norm (each is skipped: no update)")
-    a("--log-every", type=int, default=10, help="steps between log.jsonl lines")
+    a("--log-every", type=int, default=10, help="steps between log.jsonl lines; also the only steps that read "
+      "numbers off the device (loss, grad norm, bad steps) and agree on a stop signal")
     a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
     a("--cfg", type=float, default=5.0, help="guidance scale w for samples and the final evaluation")
@@ -149,6 +151,7 @@ def setup(args):
                   f"started with --signals-to-handle {HANDLED_BY_TORCHRUN} (run.slurm passes it)")
     if args.precision is None:
         args.precision = "bf16" if dev == "cuda" else "fp32"
+    args.moe_impl = args.moe_impl or default_impl(dev)  # the GPU's grouped GEMM, the CPU's per-expert slices
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
@@ -169,10 +172,8 @@ def setup(args):
         if rank == 0:
             print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
     ema = copy.deepcopy(model).requires_grad_(False)
-    try:  # fused AdamW: one kernel for the whole update where this torch build has it
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
     def lr_lambda(step):  # linear warm-up, then cosine to zero
         if step < args.warmup:
@@ -193,7 +194,7 @@ def setup(args):
                                                         find_unused_parameters=args.moe > 0)
     return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, vae=vae, config=config, model=model,
                 fwd=fwd, ema=ema, opt=opt, sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, workers={},
-                skipped_before=0, skipped=0, bad_steps=0, bad_in_a_row=0, ckpt_step=None, ds_tag=None)
+                skipped_before=0, skipped=0, bad=torch.zeros(3, device=dev), ckpt_step=None, ds_tag=None)
 
 
 def deepspeed_engine(args, model, opt, rank):
@@ -225,47 +226,45 @@ def drop_captions(text, mask, p, gen, rank=0, world=1):
 
 
 def train_step(S, args, x0, text, mask, mark=None):
-    """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA.
-    A step whose loss or gradient norm is not finite, on any rank, changes nothing (no update, no
-    schedule or EMA step; ZeRO skips its own update then): it is counted and the run goes on. One
-    all-reduce gives every rank the global loss, that verdict and the stop flag (a signal on any rank).
+    """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no
+    host sync: nothing here reads a number off the device, so on a GPU the host queues the next step
+    while this one runs. A step whose loss or gradient norm is not finite changes no weight, moment or
+    EMA (decided on the device: fused AdamW's `found_inf`, as under torch.amp's GradScaler; ZeRO skips
+    its own update) but still takes its step number and learning rate; S["bad"] counts them on the
+    device (total, in a row now, longest run). Returns device tensors; the loop reads them on log steps.
     `mark(phase)`, if given, is called as each phase ends (profile.py times them with it)."""
     mark = mark or (lambda phase: None)
     text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"], S["rank"], S["world"])
     with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
         loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"], S["rank"], S["world"])
-        balance = balance_loss(S["model"])  # 0 for a dense model
+        balance = balance_loss(S["model"]).to(loss.device)  # 0 for a dense model
     mark("forward")
     if S["engine"] is not None:  # DeepSpeed: reduce-scatter gradients, clip, step its partition
         S["engine"].backward(loss + balance)
         mark("backward")
-        S["engine"].step()  # (it checks the global gradient norm itself: inf/NaN -> no update)
+        S["engine"].step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
         grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0), device=S["dev"])
     else:
         S["opt"].zero_grad(set_to_none=True)
         (loss + balance).backward()  # DDP averages the gradients over ranks during this call
         mark("backward")
         grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)  # (NaN/inf pass through)
+    # under DDP the gradients, hence their norm, are the same on every rank: every rank decides alike
     bad = ~torch.isfinite(loss.detach() + balance.detach()) | ~torch.isfinite(grad_norm)
-    stop = torch.tensor(bool(S.get("signals") and S["signals"].caught), device=S["dev"])
-    flags = torch.stack([loss.detach().float(), bad.float(), stop.float()])
-    if S["world"] > 1:
-        dist.all_reduce(flags)  # sum: the global mean loss, any rank's bad step, any rank's signal
-    loss_sum, bad, stop = flags.tolist()
-    if not bad:
-        if S["engine"] is None:
-            S["opt"].step()
-        S["sched"].step()
-        S["step"] += 1
-        decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
-        with torch.no_grad():
-            for pe, pm in zip(S["ema"].parameters(), S["model"].parameters()):
-                pe.lerp_(pm, 1 - decay)
-    S["bad_steps"] += bool(bad)
-    S["bad_in_a_row"] = S["bad_in_a_row"] + 1 if bad else 0
+    if S["engine"] is None:
+        S["opt"].found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
+        S["opt"].step()
+    S["sched"].step()
+    S["step"] += 1
+    decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
+    with torch.no_grad():  # EMA <- EMA + (1 - decay)(model - EMA), all tensors in one fused op; not on a bad step
+        ema = list(S["ema"].parameters())
+        torch._foreach_lerp_(ema, list(S["model"].parameters()), [(~bad).float() * (1 - decay)] * len(ema))
+    run = (S["bad"][1] + 1) * bad.float()
+    S["bad"] = torch.stack([S["bad"][0] + bad.float(), run, torch.maximum(S["bad"][2], run)])
     mark("optimizer")
-    return dict(loss=loss_sum / S["world"], balance=float(balance.detach()), t=t, per_sample=per_sample.detach(),
-                grad_norm=grad_norm.item(), bad=bool(bad), stop=bool(stop))
+    return dict(loss=loss.detach(), balance=balance.detach(), t=t, per_sample=per_sample.detach(),
+                grad_norm=grad_norm, bad=bad)
 
 
 def encode_batch(S, b):
@@ -333,7 +332,7 @@ def save_checkpoint(S, args):
     ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=opt, deepspeed_tag=tag,
                 sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
-                bad=dict(bad_steps=S["bad_steps"], bad_in_a_row=S["bad_in_a_row"]),
+                bad=S["bad"].cpu(),  # non-finite steps: total, in a row now, longest run
                 data=positions)  # one data position per rank
     keep = os.path.join(args.out, PREV)
     if S["ckpt_step"] is None and os.path.exists(keep):  # another run's, left in this folder: never a fallback
@@ -397,7 +396,8 @@ def load_checkpoint(S, args):
                          "".join(f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
                          f"Pass the checkpoint's values, or accept the change with --override "
                          f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
-    if ckpt["config"] != S["config"]:
+    how = ("attn", "moe_impl")  # how the model computes, not what: free to change on resume
+    if {k: v for k, v in ckpt["config"].items() if k not in how} != {k: v for k, v in S["config"].items() if k not in how}:
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S['config']}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
     if len(ckpt["data"]) != S["world"]:  # (ZeRO's partitions need it too)
@@ -414,7 +414,8 @@ def load_checkpoint(S, args):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     S["gen"].set_state(ckpt["rng"]["gen"])
-    S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag, **ckpt.get("bad", {}))
+    S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag)
+    S["bad"] = ckpt["bad"].to(S["dev"]) if torch.is_tensor(ckpt.get("bad")) else S["bad"]  # (older files: 0)
     old_format = "workers" not in ckpt["data"][S["rank"]]  # an older train.py's: its epoch cannot be replayed
     if old_format and S["rank"] == 0:
         print(f"warning: {args.out}/{name} has no per-worker data position (older train.py): next epoch", file=sys.stderr)
@@ -553,32 +554,17 @@ def train_loop(args, S, log, signals):
             st = train_step(S, args, x0, text, mask)
             t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
             n_seen += x0.shape[0] * S["world"]
-            if master and (st["bad"] or S["step"] % args.log_every == 0 or S["step"] == args.steps):
-                ips = n_seen / (time.time() - t_window)
+            if S["step"] % args.log_every == 0 or S["step"] == args.steps:  # the only steps that read the device
+                stopped = check(S, args, st, log, signals, n_seen / (time.time() - t_window), t_enc / t_total, bar)
                 n_seen, t_window = 0, time.time()
-                rec = dict(step=S["step"], loss=st["loss"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
-                           lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"], img_per_s=ips,
-                           encoder_share=t_enc / t_total, skipped=S["skipped"], epoch=S["epoch"],
-                           bad_steps=S["bad_steps"])
-                if st["bad"]:  # nothing was updated: the step number stays
-                    rec["bad_step"] = True
-                if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-                    rec.update(balance_loss=st["balance"], routing=routing_stats(S["model"]))
-                write_log(log, rec)
-                bar.set_postfix(loss=f"{st['loss']:.4f}", img_s=f"{ips:.0f}", bad=S["bad_steps"])
-            if st["bad"]:
-                if S["bad_in_a_row"] >= args.max_bad_steps:
-                    fail(S, f"stopping at step {S['step']}: the last {S['bad_in_a_row']} steps had a non-finite loss or "
-                            f"gradient norm and were skipped. The last good checkpoint is {args.out}/{CKPT} at step "
-                            f"{S['ckpt_step']}: check the data, or resume from it with a lower --lr (--override lr)", log)
-            else:
-                bar.update(1)
-                if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
-                    acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-                    write_log(log, dict(step=S["step"], sample_acc=acc))
-                if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
-                    save_checkpoint(S, args)
-            stopped = st["stop"]
+            elif S["world"] == 1:  # (one process needs no all-reduce to know it was signalled)
+                stopped = bool(signals.caught)
+            bar.update(1)
+            if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
+                acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
+                write_log(log, dict(step=S["step"], sample_acc=acc))
+            if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
+                save_checkpoint(S, args)
             if S["step"] >= args.steps or stopped:  # before the next batch is fetched, so the saved
                 break                               # data position is exact
             signals.defer = S["world"] > 1
@@ -590,6 +576,31 @@ def train_loop(args, S, log, signals):
     bar.close()
     S["t_enc"], S["t_total"] = t_enc, t_total
     return stopped
+
+
+def check(S, args, st, log, signals, img_per_s, encoder_share, bar):
+    """A log step: one all-reduce gives every rank the global loss and whether any rank was signalled;
+    the log line; too many non-finite steps in a row stop every rank. -> True: stop now."""
+    flags = torch.stack([st["loss"].float(), torch.full((), float(bool(signals.caught)), device=S["dev"])])
+    if S["world"] > 1:
+        dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
+    loss_sum, stop = flags.tolist()
+    total, in_a_row, longest = (int(v) for v in S["bad"].tolist())  # the same on every rank (see train_step)
+    rec = dict(step=S["step"], loss=loss_sum / S["world"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
+               lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"].item(), img_per_s=img_per_s,
+               encoder_share=encoder_share, skipped=S["skipped"], epoch=S["epoch"], bad_steps=total)
+    if in_a_row:  # this step's update was skipped
+        rec["bad_step"] = True
+    if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
+        rec.update(balance_loss=st["balance"].item(), routing=routing_stats(S["model"]))
+    if S["rank"] == 0:
+        write_log(log, rec)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
+    if longest >= args.max_bad_steps:
+        fail(S, f"stopping at step {S['step']}: {longest} steps in a row had a non-finite loss or gradient norm and "
+                f"were skipped. The last checkpoint is {args.out}/{CKPT} at step {S['ckpt_step']} (a skipped step "
+                f"changes no weight): check the data, or resume from it with a lower --lr (--override lr)", log)
+    return stop > 0
 
 
 def finish(args, S, log, signals, stopped):
@@ -612,7 +623,7 @@ def finish(args, S, log, signals, stopped):
         signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
         t_enc, t_total = S["t_enc"], S["t_total"]
         print(f"frozen encoders' share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
-              f"skipped samples: {S['skipped']} | skipped non-finite steps: {S['bad_steps']}")
+              f"skipped samples: {S['skipped']} | skipped non-finite steps: {int(S['bad'][0])}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
         if args.eval_n and not S["judged"]:
             print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
