@@ -125,7 +125,7 @@ class MoE(nn.Module):
         flat = idx.flatten()                               # (T*k,) expert of each assignment
         order = flat.argsort(stable=True)                  # assignments grouped by expert
         token = order // self.k                            # which token each sorted row came from
-        xs = x[token]                                      # (T*k, D) one gather
+        xs = x.index_select(0, token)                      # (T*k, D) one gather (see dispatch_grouped)
         counts = torch.bincount(flat, minlength=self.E).tolist()
         out = torch.cat([expert(chunk, *self.weights(e))
                          for e, chunk in enumerate(xs.split(counts)) if counts[e]])
@@ -145,13 +145,15 @@ class MoE(nn.Module):
         dest = ends[e] - padded[e] + torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[e]
         rows = n + E * ALIGN                                # > any possible sum of padded groups: fixed
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        buf = x.new_zeros(rows, x.shape[1], dtype=dt).index_copy(0, dest, x[token].to(dt))  # (rows, D)
+        # index_select, not x[token]: its backward (index_add) sums repeated rows in a fixed order on a
+        # CPU; the backward of x[...] adds them with parallel atomics there, which made runs differ
+        buf = x.new_zeros(rows, x.shape[1], dtype=dt).index_copy(0, dest, x.index_select(0, token).to(dt))
         group = torch.searchsorted(ends, torch.arange(rows, device=x.device), right=True).clamp(max=E - 1)
         used = (torch.arange(rows, device=x.device) < ends[-1])[:, None]  # rows past the last group: no output
         mm = F.grouped_mm if dt == torch.bfloat16 else grouped_mm_eager
-        h = mm(buf, self.w13.to(dt), offs=ends.int()) + self.b13[group].to(dt)  # (rows, 2H)
+        h = mm(buf, self.w13.to(dt), offs=ends.int()) + self.b13.index_select(0, group).to(dt)  # (rows, 2H)
         a, b = torch.where(used, h, 0).chunk(2, dim=-1)
-        out = mm(F.silu(a) * b, self.w2.to(dt), offs=ends.int()) + self.b2[group].to(dt)  # (rows, D)
+        out = mm(F.silu(a) * b, self.w2.to(dt), offs=ends.int()) + self.b2.index_select(0, group).to(dt)  # (rows, D)
         out = out[dest].to(x.dtype) * w.flatten()[order, None]  # back to the sorted rows, gate weights
         return torch.zeros_like(x).index_add_(0, token, out)
 

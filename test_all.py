@@ -335,26 +335,70 @@ def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys)
 # -----------------------------------------------------------------------------------------------
 # moe.py
 # -----------------------------------------------------------------------------------------------
-def test_sorted_dispatch_equals_loop_in_outputs_and_gradients_with_an_idle_expert():
+@pytest.mark.parametrize("case", ["one idle expert", "every token on the same two experts"])
+def test_sorted_and_grouped_dispatches_equal_loop_in_outputs_and_gradients(case):
     torch.manual_seed(0)
     m = moe.MoE(16, n_experts=4, topk=2, n_shared=1, hidden=8)
     for p in (m.w2, m.b13, m.b2):
         torch.nn.init.normal_(p, std=0.1)
-    with torch.no_grad():
-        m.router.weight[3] = -5.0  # x > 0 below, so expert 3 never wins: it gets no token
+    with torch.no_grad():  # x > 0 below, so expert 3 never wins (it gets no token); or experts 1, 2 win all
+        if case == "one idle expert":
+            m.router.weight[3] = -5.0
+        else:
+            m.router.weight.zero_()
+            m.router.weight[1], m.router.weight[2] = 5.0, 4.0
     x0 = torch.rand(2, 37, 16) + 0.1
     results = {}
-    for impl in ("loop", "sorted"):
+    for impl in ("loop", "sorted", "grouped"):
         m.impl = impl
         m.zero_grad()
         x = x0.clone().requires_grad_(True)
         y = m(x)
         (y.sin().sum() + m.aux_loss).backward()
         results[impl] = [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-    assert m.stats["load"][3] == 0 and (m.stats["load"][:3] > 0).all()
-    for a, b in zip(results["loop"], results["sorted"]):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    expect = [0.0, 0.5, 0.5, 0.0] if case != "one idle expert" else None
+    assert m.stats["load"][3] == 0 and (m.stats["load"][:3] > 0).all() if expect is None else m.stats["load"].tolist() == expect
+    for impl in ("sorted", "grouped"):
+        for a, b in zip(results["loop"], results[impl]):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), impl
     assert not m.w13.grad[3].any()  # the idle expert gets no gradient
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op that makes the host wait for the device on a GPU: reading a value (.item(),
+    bool(), float()), or an op whose output size depends on the data (nonzero, boolean masks, bincount)."""
+    SYNC = ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "repeat_interleave")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(func.__name__.startswith(s) for s in self.SYNC):
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("impl", ["grouped", "sorted"])
+def test_the_training_step_never_makes_the_host_wait_for_the_device(impl, monkeypatch):
+    args = train.get_args(TINY + ["--image-size", "16", "--moe", "4", "--moe-impl", impl, "--out", "/nonexistent"])
+    S = train.setup(args)
+    g = torch.Generator().manual_seed(0)
+    x0, text = torch.randn(16, 3, 16, 16, generator=g), torch.randn(16, 7, S["config"]["text_dim"], generator=g)
+    mask = torch.ones(16, 7, dtype=torch.bool)
+    train.train_step(S, args, x0, text, mask)
+    tolist, real = [], torch.Tensor.tolist  # .tolist() reads CPU memory directly, past the dispatcher: catch it
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist.append(1) or real(self))
+    with HostReads() as reads:
+        for _ in range(2):
+            x0[0, 0, 0, 0] = float("nan") if _ else 0.0  # a bad step too: skipped on the device
+            st = train.train_step(S, args, x0, text, mask)
+    monkeypatch.undo()
+    if impl == "sorted":  # the CPU dispatch reads its group sizes: the detector must see that
+        assert tolist or reads.seen
+        return
+    assert not reads.seen and not tolist, reads.seen
+    assert S["step"] == 3 and S["bad"].tolist() == [1, 1, 1] and bool(st["bad"])
 
 
 def test_topk_weights_are_renormalised_and_distinct():
@@ -406,6 +450,41 @@ def test_upcycled_model_starts_equal_to_its_dense_parent():
     assert torch.equal(experts[0], experts[3])  # identical copies; routing breaks the symmetry
     with pytest.raises(SystemExit, match="--expert-hidden"):
         moe.upcycle(tiny_model(moe=4), dense.state_dict())
+
+
+@pytest.mark.parametrize("impl,precision", [("grouped", "bf16"), ("sorted", "fp32")])
+def test_compiled_moe_compiles_once_and_never_recompiles(impl, precision, tmp_path, builtin16, monkeypatch):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, real = [], train.train_step
+
+    def step(S, *a):
+        graphs.append(counters["stats"]["unique_graphs"])
+        return real(S, *a)
+    monkeypatch.setattr(train, "train_step", step)
+    train.main(TINY + ["--image-size", "16", "--moe", "4", "--moe-impl", impl, "--precision", precision, "--compile",
+                       "--steps", "8", "--log-every", "4", "--out", str(tmp_path / "run")])
+    graphs.append(counters["stats"]["unique_graphs"])
+    # routing differs every step; a data-dependent shape in the graph would compile again (up to
+    # dynamo's recompile limit). grouped: one graph; sorted: its dispatches run eagerly between graphs
+    assert graphs[2] == graphs[-1] and graphs[-1] <= (1 if impl == "grouped" else 10), graphs
+
+
+def test_bf16_on_cpu_with_grouped_moe_learns_and_resumes_exactly(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=64)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--width", "64", "--moe", "4", "--steps", "60",
+                    "--lr", "2e-3", "--warmup", "5", "--ckpt-every", "30", "--precision", "bf16", "--moe-impl",
+                    "grouped", "--log-every", "3"]  # log steps 3, 6, ...: the device is read only there
+    train.main(flags + ["--out", str(tmp_path / "a")])
+    log = [json.loads(l) for l in open(tmp_path / "a" / "log.jsonl") if '"loss"' in l]
+    assert [r["step"] for r in log] == list(range(3, 61, 3))
+    assert sum(r["loss"] for r in log[-4:]) / 4 < 0.75 * sum(r["loss"] for r in log[:4]) / 4
+    crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=40)
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    assert a["args"]["precision"] == "bf16" and a["step"] == b["step"] == 60
+    for k in ("model", "ema"):
+        assert all(torch.equal(a[k][n], b[k][n]) for n in a[k]), k
 
 
 def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
