@@ -7,6 +7,7 @@ side by side.
     python profile.py --compare moe-impl=loop,sorted --moe 8 --markdown
     python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
+    python profile.py suite                          # every README claim on this device: markdown tables
 
 Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the
 default run with one flag flipped". Each measurement runs in a fresh process, so memory is clean;
@@ -39,15 +40,20 @@ import tempfile
 import time
 
 PHASES = ("forward", "backward", "optimizer")
+CLAIMS = ("attn", "moe-impl", "moe", "compile", "compile-moe", "precision", "full-size", "loader")
 
 
 def get_args(argv=None):
     import train
     p = train.get_parser()
     p.description = "Profile one training step of train.py, or compare two settings of one flag."
-    p.add_argument("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader"],
+    p.add_argument("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader", "suite"],
                    help="compute: the model step on a fixed batch; full: the real loop (data wait, frozen encoders, "
-                   "forward, backward, optimizer); dataloader: the input pipeline alone vs the model")
+                   "forward, backward, optimizer); dataloader: the input pipeline alone vs the model; suite: every "
+                   "one-flag comparison of the README, sized for the device found (tiny on a CPU)")
+    p.add_argument("--claims", default="all", help="suite: comma-separated subset of " + ",".join(CLAIMS))
+    p.add_argument("--synthetic", default=None, help="compute on random inputs of shape C,SIDE,L,DTEXT instead of "
+                   "built-in images (e.g. 4,64,77,768: SD-VAE latents of 512 px and CLIP-L text states)")
     p.add_argument("--loader-batches", type=int, default=50, help="dataloader: batches timed")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s of the device for MFU (GPUs in "
                    "PEAK_TFLOPS are known)")
@@ -57,7 +63,8 @@ def get_args(argv=None):
     p.add_argument("--compare", default=None, help="FLAG=A,B[,C]: run each setting of a train.py flag in a fresh "
                    "process (on/off for switches such as compile=off,on; nproc=1,2 for the world size under "
                    "torchrun, 1 thread per process; dist=ddp,deepspeed with 2 ranks each) and print a ratio table")
-    p.add_argument("--repeats", type=int, default=3, help="--compare: runs per setting, alternating")
+    p.add_argument("--repeats", type=int, default=None, help="--compare: runs per setting, alternating (default 3; "
+                   "suite: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--markdown", action="store_true", help="--compare: print the table as Markdown")
     p.add_argument("--json", default=None, help="write the result JSON here (used by --compare)")
     return train.get_args(argv, parser=p)
@@ -118,13 +125,22 @@ def flops_per_step(S, args, batch):
     from torch.utils.flop_counter import FlopCounterMode
 
     import train
+    from moe import MoE
     state = {k: v.state_dict() for k, v in S.items() if k in ("model", "ema", "opt", "sched")}
     x0, text, mask = train.encode_batch(S, batch)
+    # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
+    # dispatch instead (useful FLOPs, without the padding rows), on the eager model
+    impls, fwd, bad = {m: m.impl for m in S["model"].modules() if isinstance(m, MoE)}, S["fwd"], S["bad"]
+    for m in impls:
+        m.impl = "sorted"
+    S["fwd"] = S["model"] if args.compile else fwd
     with FlopCounterMode(display=False) as fc:
         train.train_step(S, args, x0, text, mask)
     for k, v in state.items():  # that step was only counted: undo it
         S[k].load_state_dict(v)
-    S["step"] -= 1
+    for m, impl in impls.items():
+        m.impl = impl
+    S["step"], S["fwd"], S["bad"] = S["step"] - 1, fwd, bad
     return fc.get_total_flops()
 
 
@@ -137,9 +153,15 @@ def measure(args):
     import data
     import train
     from model import count_params
-    S = train.setup(args)
+    shape = [int(v) for v in args.synthetic.split(",")] if args.synthetic else None  # C, side, L, D_text
+    S = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
     dev, B = S["dev"], args.batch_size
-    batch = fixed_batch(args, S)
+    if shape:  # random latents and text states, as precomputed shards would give them (encoders skipped)
+        g = torch.Generator().manual_seed(args.seed)
+        batch = dict(latent=torch.randn(B, shape[0], shape[1], shape[1], generator=g), mask=torch.ones(B, shape[2], dtype=torch.bool),
+                     text=torch.randn(B, shape[2], shape[3], generator=g))
+    else:
+        batch = fixed_batch(args, S)
     res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", threads=torch.get_num_threads())
     res["params"], res["active_params"] = count_params(S["model"])
@@ -234,12 +256,13 @@ def strip(argv, with_value, switches=()):
 
 
 def compare(args, argv):
+    """Each value of FLAG in fresh processes, alternating -> (medians per value, the printed table)."""
     flag, values = args.compare.split("=", 1)
-    values = values.split(",")
+    values, repeats = values.split(","), args.repeats or 3
     base = strip(argv, {"--compare", "--repeats", "--json"}, {"--markdown", "--trace"})
     runs = {v: [] for v in values}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
+        for r in range(repeats):
             for v in values:
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
                 out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")  # (a value may be a path)
@@ -251,51 +274,124 @@ def compare(args, argv):
                     cmd = [sys.executable, os.path.abspath(__file__), *base, "--json", out] if n == "1" else [
                         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port",
                         str(29500 + r), os.path.abspath(__file__), *base, "--dist", mode, "--json", out]
-                print(f"[{r + 1}/{args.repeats}] --{flag} {v}", flush=True)
+                print(f"[{r + 1}/{repeats}] --{flag} {v}", file=sys.stderr, flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                 runs[v].append(json.load(open(out)))
     phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
-    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "opt_state_mb"]
+    first = runs[values[0]][0]
+    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "opt_state_mb", "achieved_tflops"]
+    keys += ["mfu"] * (first["mfu"] is not None) + ["loader_img_per_s"] * (args.mode == "dataloader")
     rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
     ref = rows[values[0]]
     head = ([f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:len(phases) + 1]] +
-            ["img/s", "peak MB", "optimizer state MB/rank", f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
+            ["img/s", "peak MB", "optimizer state MB/rank", "TFLOP/s"] + ["MFU"] * ("mfu" in keys) +
+            ["loader img/s"] * (args.mode == "dataloader") + [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
     lines = []
     for v, row in rows.items():
         lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
         lines.append([v] + [f"{row[k]:.1f}" for k in keys[:len(phases)]] + [
-                     f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}",
-                     f"{row['peak_mem_mb']:.0f}", f"{row['opt_state_mb']:.2f}", f"{row['step_ms'] / ref['step_ms']:.2f}×",
+                     f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}",
+                     f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
+                     ([f"{100 * row['mfu']:.1f}%"] if "mfu" in keys else []) +
+                     ([f"{row['loader_img_per_s']:.0f}"] if args.mode == "dataloader" else []) + [f"{row['step_ms'] / ref['step_ms']:.2f}×",
                      f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
     if args.markdown:
-        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        print("\n".join("| " + " | ".join(l) + " |" for l in lines))
+        text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(l) + " |" for l in lines]
     else:
         widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-        for l in [head] + lines:
-            print("  ".join(str(x).rjust(w) for x, w in zip(l, widths)))
+        text = ["  ".join(str(x).rjust(w) for x, w in zip(l, widths)) for l in [head] + lines]
     if flag == "nproc":  # scaling efficiency: N ranks' images/s over N times one rank's
         for v in values[1:]:
             comm = statistics.median(r["communication_share"] for r in runs[v])
             eff = rows[v]["img_per_s"] / (int(v) * rows[values[0]]["img_per_s"]) * int(values[0])
-            print(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {values[0]}; communication "
-                  f"{100 * comm:.1f}% of the step (step time minus the same steps under DDP no_sync)")
+            text.append(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {values[0]}; communication "
+                        f"{100 * comm:.1f}% of the step (step time minus the same steps under DDP no_sync)")
     if flag == "data" and args.mode == "full":  # online vs precomputed: is the whole gain the encoders' time?
         share = ref["encoders_ms"] / ref["step_ms"]  # from the table's own medians, so readers can check it
         for v in values[1:]:
-            print(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of {values[0]}; the frozen "
-                  f"encoders were {100 * share:.1f}% of its step, so 1 / (1 - share) predicts {1 / (1 - share):.2f}x")
-    dev = runs[values[0]][0]["device"]
-    print(f"(median of {args.repeats} fresh processes each, {args.iters} timed steps per process, device {dev}, "
-          f"{runs[values[0]][0]['threads']} threads; step = the sum of all phases, range in brackets)")
+            text.append(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of {values[0]}; the "
+                        f"frozen encoders were {100 * share:.1f}% of its step, so 1 / (1 - share) predicts "
+                        f"{1 / (1 - share):.2f}x")
+    text.append(f"(median of {repeats} fresh processes each, {args.iters} timed steps per process, device "
+                f"{first['device']}, {first['threads']} threads; step = the sum of all phases, range in brackets)")
+    print("\n".join(text), flush=True)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     with open(os.path.join(args.out, "profile", f"compare_{flag}.json"), "w") as f:
         json.dump(dict(flag=flag, runs=runs, medians=rows), f, indent=1)
-    return rows
+    return rows, "\n".join(text)
+
+
+# -----------------------------------------------------------------------------------------------
+# suite: every one-flag claim of the README at sizes that suit the device found, one table each
+# -----------------------------------------------------------------------------------------------
+def claims(gpu):
+    """[(key, title, profile.py arguments)]: GPU sizes fill ~8 minutes of one H100-class GPU; CPU sizes
+    run the very same code tiny (~5 minutes on 2 cores)."""
+    if gpu:
+        base = "--width 384 --depth 6 --heads 6 --patch 2 --image-size 32 --batch-size 64".split()
+        attn = [("~1k", "--image-size 64 --batch-size 32"), ("~4k", "--image-size 128 --batch-size 8")]
+        full = "--width 768 --depth 12 --heads 12 --patch 2 --batch-size 32 --synthetic 4,64,77,768 --compare precision=bf16"
+        full_title = "The seed's full-size model (width 768, depth 12, 12 heads, patch 2) on 4x64x64 latents, CLIP-L text"
+        loader = 8  # loader worker processes
+    else:
+        base = "--width 128 --depth 2 --heads 4 --patch 4 --image-size 32 --batch-size 32".split()
+        attn = [("64", "--patch 4"), ("256", "--patch 2 --batch-size 8")]
+        full = "--width 96 --depth 2 --heads 2 --patch 2 --batch-size 4 --synthetic 4,16,77,768 --compare precision=fp32"
+        full_title = "The full-size model's inputs (4-channel latents, CLIP-L-sized text) at CPU size: width 96, 4x16x16"
+        loader = 1
+    over = lambda extra: strip(base, {a for a in extra if a.startswith("--")}) + extra  # base, these flags replaced
+    out = [("attn", f"Attention: manual vs SDPA at {n} image tokens", over(size.split() + ["--compare", "attn=manual,sdpa"]))
+           for n, size in attn]
+    out += [("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
+             base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
+            ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),
+            ("compile", "torch.compile, dense", base + ["--compare", "compile=off,on"]),
+            ("compile-moe", "torch.compile, 8 experts (the device's default dispatch)",
+             base + ["--moe", "8", "--compare", "compile=off,on"]),
+            ("precision", "fp32 vs bf16 autocast", base + ["--compare", "precision=fp32,bf16"]),
+            ("full-size", full_title, full.split()),
+            ("loader", "Data loader vs the model (built-in shapes, one process)",
+             ["dataloader"] + base + ["--compare", f"workers={loader}"])]
+    return out
+
+
+def suite(args):
+    """Run every claim (or --claims), print a header and one markdown table per claim; also written
+    to <out>/profile/suite.md. A claim that fails is reported and the others still run."""
+    import torch
+    gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    repeats, chosen = args.repeats or (2 if gpu else 1), CLAIMS if args.claims == "all" else args.claims.split(",")
+    common = ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters), "--repeats", str(repeats),
+              "--out", args.out, "--markdown"] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
+    md = [f"## profile.py suite: {name}", "",
+          f"torch {torch.__version__}, CUDA {torch.version.cuda if gpu else 'none'}, "
+          f"{'MFU against ' + str(peak) + ' TFLOP/s (dense bf16 peak)' if peak else 'peak FLOP/s unknown: no MFU'}; "
+          f"{repeats} fresh process(es) per setting, {args.warmup_iters} warm-up + {args.iters} timed steps. "
+          f"Command: `python profile.py suite`.", ""]
+    print("\n".join(md), flush=True)
+    for key, title, argv in claims(gpu):
+        if key not in chosen:
+            continue
+        cmd = ["compute"] * (argv[0] != "dataloader") + argv + common
+        head = [f"### {title}", "", "`python profile.py " + " ".join(a for a in cmd if a != "--markdown") + "`", ""]
+        print("\n".join(head), flush=True)
+        try:
+            table = compare(get_args(cmd), cmd)[1]
+        except SystemExit as e:  # one failing setting (a kernel this GPU lacks) must not lose the rest
+            table = f"failed: {str(e)[-1500:]}"
+            print(table, flush=True)
+        md += head + [table, ""]
+        print(flush=True)
+    os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
+    with open(os.path.join(args.out, "profile", "suite.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return md
 
 
 if __name__ == "__main__":
     args = get_args()
-    compare(args, sys.argv[1:]) if args.compare else measure(args)
+    suite(args) if args.mode == "suite" else compare(args, sys.argv[1:]) if args.compare else measure(args)

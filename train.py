@@ -137,8 +137,9 @@ def overrides(args):
 # -----------------------------------------------------------------------------------------------
 # Set-up
 # -----------------------------------------------------------------------------------------------
-def setup(args):
-    """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop uses."""
+def setup(args, shape=None):
+    """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop uses.
+    `shape` = (channels, side, text dim) of the model's inputs, where profile.py times synthetic ones."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rank, local_rank, world = 0, 0, 1
     if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
@@ -166,6 +167,8 @@ def setup(args):
                   depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn, moe=args.moe,
                   topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
                   expert_hidden=args.expert_hidden)
+    if shape:
+        config.update(in_channels=shape[0], image_size=shape[1], text_dim=shape[2])
     model = DiT(**config).to(dev)
     if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
         n = upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
