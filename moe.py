@@ -135,7 +135,10 @@ class MoE(nn.Module):
     def dispatch_grouped(self, x, w, idx):
         """GPU: the sorted rows in a fixed-size buffer, each expert's group padded to ALIGN rows, then
         W13 and W2 of all experts as one grouped GEMM each. No host sync, no data-dependent shape."""
-        T, E, n = x.shape[0], self.E, idx.numel()
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if x.is_cuda and dt != torch.bfloat16:  # CUDA's grouped GEMM is bf16-only: fp32 (e.g. sampling) goes sorted
+            return self.dispatch_sorted(x, w, idx)
+        E, n = self.E, idx.numel()
         flat = idx.flatten()                                # (T*k,)
         order = flat.argsort(stable=True)
         token, e = order // self.k, flat[order]             # sorted rows: their token and expert
@@ -144,7 +147,6 @@ class MoE(nn.Module):
         ends = padded.cumsum(0)                             # where each padded group ends
         dest = ends[e] - padded[e] + torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[e]
         rows = n + E * ALIGN                                # > any possible sum of padded groups: fixed
-        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         # index_select, not x[token]: its backward (index_add) sums repeated rows in a fixed order on a
         # CPU; the backward of x[...] adds them with parallel atomics there, which made runs differ
         buf = x.new_zeros(rows, x.shape[1], dtype=dt).index_copy(0, dest, x.index_select(0, token).to(dt))

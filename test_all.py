@@ -541,6 +541,24 @@ def test_profile_modes_write_json_and_trace_and_compare_prints_a_row_per_setting
     assert set(json.load(open(tmp_path / "profile" / "compare_attn.json"))["medians"]) == {"manual", "sdpa"}
 
 
+def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
+    r = subprocess.run([sys.executable, "profile.py", "suite", "--iters", "1", "--warmup-iters", "1", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"## profile.py suite: CPU ({torch.get_num_threads()} threads)" in r.stdout
+    assert f"torch {torch.__version__}, CUDA none, peak FLOP/s unknown: no MFU" in r.stdout
+    sections = r.stdout.split("### ")[1:]
+    assert len(sections) == 9 and "failed" not in r.stdout  # two attention sizes + 7 claims
+    for sec in sections:  # a command, then a table whose rows are the compared values, each with a time
+        cmd = next(l for l in sec.splitlines() if l.startswith("`python profile.py"))
+        values = cmd.split("--compare ")[1].split()[0].split("=")[1].split(",")
+        rows = [l.split(" | ") for l in sec.splitlines() if l.startswith("| ") and not l.startswith("| --")]
+        assert [row[0][2:] for row in rows] == values, sec
+        assert all(float(row[4].split()[0]) > 0 for row in rows), sec
+    assert "moe-impl=loop,sorted,grouped" in r.stdout and "--synthetic 4,16,77,768" in r.stdout
+    assert open(tmp_path / "profile" / "suite.md").read().count("### ") == 9
+
+
 # -----------------------------------------------------------------------------------------------
 # distributed (CPU, gloo, 2 processes under torchrun)
 # -----------------------------------------------------------------------------------------------
