@@ -460,8 +460,9 @@ class Interrupted(BaseException):
 
 class StopSignals:
     """SIGUSR1 (Slurm's warning before the time limit, `#SBATCH --signal`) and SIGTERM (scancel, requeue,
-    torchrun shutting down). While `defer` is set (inside the loop) the first one is only noted: the
-    step finishes, every rank writes one checkpoint and exits 0, and --auto-resume continues from it.
+    torchrun shutting down). While `defer` is set (inside the loop) the first one is only noted: after
+    this step (one process) or at the next log step (--log-every: where the ranks agree on it) every
+    rank writes one checkpoint and exits 0, and --auto-resume continues from it.
     Anywhere else (start-up, rendezvous, final samples, one process waiting for data) or at a second
     signal it raises Interrupted at once, so `timeout`, `kill` and `scancel` never wait on a stuck run.
     A repeat within `same_event` seconds is the same event arriving twice (Slurm signals every process
