@@ -691,7 +691,7 @@ def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
 @needs_slurm
 def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     r = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
-    out = "".join(open(p).read() for p in tmp_path.glob("slurm-*.out"))
+    out = "".join(open(p, errors="replace").read() for p in tmp_path.glob("slurm-*.out"))
     assert r.returncode == 0, out[-3000:]
     assert "2 ranks x 8 = global batch 16" in out and "parameters identical on all 2 ranks: True" in out
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 4
@@ -722,7 +722,7 @@ def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_run
         assert time.time() < deadline, "requeued jobs did not finish"
         time.sleep(2)
     for how, ref in (("usr1", "two"), ("requeue", "one")):
-        out = "".join(open(p).read() for p in (tmp_path / how).glob("slurm-*.out"))
+        out = "".join(open(p, errors="replace").read() for p in (tmp_path / how).glob("slurm-*.out"))
         state = subprocess.run(["scontrol", "show", "job", jobs[how]], capture_output=True, text=True).stdout
         assert "JobState=COMPLETED" in state and "Restarts=1" in state, (how, state, out[-3000:])
         ckpt = torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True)
