@@ -365,6 +365,8 @@ def suite(args):
     name = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     repeats, chosen = args.repeats or (2 if gpu else 1), CLAIMS if args.claims == "all" else args.claims.split(",")
+    if set(chosen) - set(CLAIMS):
+        sys.exit(f"--claims {args.claims}: choose from {','.join(CLAIMS)}")
     common = ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters), "--repeats", str(repeats),
               "--out", args.out, "--markdown"] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
     md = [f"## profile.py suite: {name}", "",
