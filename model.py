@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from moe import MoE, SwiGLU, count_active
 
@@ -139,6 +140,7 @@ class DiT(nn.Module):
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.final_ada = nn.Linear(width, 2 * width)
         self.final = nn.Linear(width, patch * patch * in_channels)
+        self.grad_ckpt = False  # train.py --grad-ckpt: activation checkpointing of every block
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -182,7 +184,10 @@ class DiT(nn.Module):
         pooled = (text * m).sum(1) / m.sum(1).clamp(min=1)               # (B, D_text) masked mean
         cond = F.silu(self.t_mlp(timestep_embedding(t, 256)) + self.pool_in(pooled))  # (B, D)
         for block in self.blocks:
-            x, c = block(x, c, mask, cond)
+            if self.grad_ckpt and torch.is_grad_enabled():  # keep only the block's inputs; recompute inside in backward
+                x, c = torch.utils.checkpoint.checkpoint(block, x, c, mask, cond, use_reentrant=False)
+            else:
+                x, c = block(x, c, mask, cond)
         shift, scale = self.final_ada(cond).chunk(2, dim=-1)
         return self.unpatchify(self.final(modulate(self.final_norm(x), shift, scale)))
 

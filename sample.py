@@ -86,6 +86,7 @@ def load(path, raw=False):
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)  # the dispatch that suits this device
     model.load_state_dict(ckpt["model" if raw else "ema"])
     model.vae = data.load_vae(ckpt["args"].get("vae", "none"), dev)  # (a plain attribute: not a submodule)
+    model.t_shift = ckpt["args"].get("t_shift", 1.0)  # sample on the time grid it was trained for
     encoder = data.TextEncoder(ckpt["args"]["text_encoder"], device=dev)
     return model.eval().requires_grad_(False), encoder, ckpt["args"]
 
@@ -95,7 +96,7 @@ def sample(model, encoder, prompts, args):
     images, C, n = [], model.C, model.n_side * model.p  # the model's own input (channels, side)
     for i in range(0, len(prompts), args.batch):
         x = flow.generate(model, encoder, prompts[i:i + args.batch], args.steps, args.cfg, seed=args.seed + i,
-                          shape=(C, n, n), device=next(model.parameters()).device)
+                          shape=(C, n, n), device=next(model.parameters()).device, shift=model.t_shift)
         images += [data.to_pil(im) for im in (x if model.vae is None else model.vae.decode(x))]
     return images
 

@@ -115,6 +115,28 @@ def test_time_distributions():
     assert torch.allclose(torch.logit(ln).std(), torch.tensor(1.0), atol=0.03)
 
 
+def test_time_shift_is_sd3s_and_the_sampler_uses_the_training_runs_shift(tmp_path, builtin16, monkeypatch):
+    t = torch.linspace(0, 1, 101)
+    assert flow.shift_t(t, 1.0) is t and torch.equal(flow.shift_t(t, 3.0)[[0, -1]], torch.tensor([0.0, 1.0]))
+    assert torch.allclose(flow.shift_t(torch.tensor(0.5), 3.0), torch.tensor(0.75))  # 3 * .5 / (1 + 2 * .5)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)  # training draws the shifted times
+    assert torch.equal(flow.sample_t(1000, "logit-normal", g1, shift=3.0),
+                       flow.shift_t(flow.sample_t(1000, "logit-normal", g2), 3.0))
+    seen = []  # the shifted Euler grid: from 1, strictly decreasing, and the steps add up to exactly -1
+    x = flow.euler(lambda x, t: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2), 8, shift=3.0)
+    assert seen[0] == 1.0 and all(a > b for a, b in zip(seen, seen[1:])) and seen[-1] > 0.1  # dense near noise
+    assert torch.allclose(x, torch.full((2,), -1.0)), "the grid must end at t = 0"
+    out = str(tmp_path / "run")
+    train.main(TINY + ["--image-size", "16", "--steps", "2", "--t-shift", "3", "--out", out])
+    model, encoder, targs = sample.load(os.path.join(out, "ckpt.pt"))
+    shifts, real = [], flow.euler
+    monkeypatch.setattr(flow, "euler", lambda v, x, steps, shift=1.0: shifts.append(shift) or real(v, x, steps, shift))
+    sample.sample(model, encoder, ["a red circle"], sample.get_args(["--ckpt", os.path.join(out, "ckpt.pt"), "--steps", "2"]))
+    assert targs["t_shift"] == 3.0 and shifts == [3.0]
+    with pytest.raises(SystemExit, match="--t-shift"):  # a resume may not silently change it
+        train.main(TINY + ["--image-size", "16", "--steps", "4", "--out", out, "--resume"])
+
+
 def test_euler_with_the_exact_field_maps_gaussian_noise_to_the_data_gaussian():
     mu, sigma = 2.0, 0.5  # data x0 ~ N(mu, sigma^2); noise N(0, 1)
 
@@ -438,6 +460,27 @@ def test_total_and_active_parameter_counts_match_the_formula():
     assert total == count_params(dense)[0] + depth * (moe_layer - dense_mlp)
     assert active == total - depth * (E - k) * expert_p
     assert count_params(dense)[0] == count_params(dense)[1]
+
+
+@pytest.mark.parametrize("E", [0, 4])
+def test_activation_checkpointing_gives_the_same_gradients(E):
+    grads = []
+    for ckpt in (False, True):
+        model = randomize(tiny_model(moe=E))
+        model.grad_ckpt = ckpt
+        out = model(*toy_inputs())
+        (out.square().mean() + moe.balance_loss(model)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    saved = []  # and it does keep less: count the tensors autograd saves for the backward pass
+    for ckpt in (False, True):
+        model = randomize(tiny_model(moe=E))
+        model.grad_ckpt = ckpt
+        n = [0]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: n.__setitem__(0, n[0] + t.numel()) or t, lambda t: t):
+            model(*toy_inputs())
+        saved.append(n[0])
+    assert saved[1] < 0.6 * saved[0], saved
 
 
 def test_upcycled_model_starts_equal_to_its_dense_parent():

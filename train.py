@@ -38,8 +38,8 @@ from moe import balance_loss, default_impl, routing_stats, upcycle
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "workers", "seed")  # they define the stream the saved data position points into
-TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "cfg_drop", "ema", "precision", "text_encoder", "vae",
-                           "image_size")  # --resume refuses a change to these unless --override names it
+TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision",
+                           "text_encoder", "vae", "image_size")  # --resume refuses a change to these unless --override names it
 HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # for torchrun --signals-to-handle: its default lacks USR1
 
 
@@ -78,6 +78,10 @@ def get_parser():
     a("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     a("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay")
     a("--t-dist", default="logit-normal", choices=["uniform", "logit-normal"], help="training time distribution")
+    a("--t-shift", type=float, default=1.0, help="SD3's time shift s of training times and the sampler's grid, "
+      "t' = s t / (1 + (s - 1) t); 1 = none. README: ~sqrt(pixels / 256^2), e.g. 2 for 512 px latents")
+    a("--grad-ckpt", action="store_true", help="activation checkpointing of every block: its activations are "
+      "recomputed in the backward pass instead of kept (less memory, ~1/3 more compute)")
     a("--cfg-drop", type=float, default=0.1, help="probability of dropping a caption (for classifier-free guidance)")
     a("--ema", type=float, default=0.995, help="EMA decay of the weights used for sampling")
     a("--precision", default=None, choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
@@ -170,6 +174,7 @@ def setup(args, shape=None):
     if shape:
         config.update(in_channels=shape[0], image_size=shape[1], text_dim=shape[2])
     model = DiT(**config).to(dev)
+    model.grad_ckpt = args.grad_ckpt  # (how it computes, not what: not part of the config)
     if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
         n = upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
         if rank == 0:
@@ -239,7 +244,8 @@ def train_step(S, args, x0, text, mask, mark=None):
     mark = mark or (lambda phase: None)
     text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"], S["rank"], S["world"])
     with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-        loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"], S["rank"], S["world"])
+        loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"], S["rank"], S["world"],
+                                             args.t_shift)
         balance = balance_loss(S["model"]).to(loss.device)  # 0 for a dense model
     mark("forward")
     if S["engine"] is not None:  # DeepSpeed: reduce-scatter gradients, clip, step its partition
@@ -392,7 +398,8 @@ def load_checkpoint(S, args):
     if S["rank"] != 0:
         name = picked[0]
         ckpt = torch.load(os.path.join(args.out, name), map_location=S["dev"], weights_only=True)
-    changed = {k: (ckpt["args"].get(k), getattr(args, k)) for k in TRAJECTORY if ckpt["args"].get(k) != getattr(args, k)}
+    was = {k: ckpt["args"].get(k, get_parser().get_default(k)) for k in TRAJECTORY}  # (flags newer than the file: default)
+    changed = {k: (was[k], getattr(args, k)) for k in TRAJECTORY if was[k] != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in overrides(args)}
     if refused:
         raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" +
@@ -436,8 +443,8 @@ def sample_grid(S, args, path, n_each=1, seed=1234):
     judge's accuracy on them (None on other data); the first of each go to a PNG grid, one row per colour."""
     prompts = data.heldout_prompts(n_each)
     c = S["config"]
-    x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg,
-                      seed=seed, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"])
+    x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg, seed=seed,
+                      shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"], shift=args.t_shift)
     images = [data.to_pil(im) for im in (x if S["vae"] is None else S["vae"].decode(x))]
     try:
         data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
