@@ -37,15 +37,12 @@ def interpolate(x0, eps, t):
     return (1 - t) * x0 + t * eps
 
 
-def flow_loss(model, x0, text, mask, t_dist="logit-normal", generator=None, rank=0, world=1, shift=1.0):
-    """-> (mean loss, t (B,), per-sample loss (B,)) for one batch of clean inputs x0. Under data
-    parallelism every rank draws t and eps for the global batch and keeps its own slice."""
-    n, mine = x0.shape[0], slice(rank * x0.shape[0], (rank + 1) * x0.shape[0])
-    t = sample_t(n * world, t_dist, generator, x0.device, shift)[mine]
-    eps = torch.randn((n * world, *x0.shape[1:]), generator=generator, device=x0.device)[mine]
+def flow_loss(model, x0, text, mask, t, eps):
+    """-> (mean loss, per-sample loss (B,)) for clean inputs x0 at times t (B,) with noise eps (B, ...).
+    (train.py draws t and eps for the whole global batch and hands each micro-batch of each rank its slice.)"""
     v = model(interpolate(x0, eps, t), t, text, mask)
     per_sample = ((v.float() - (eps - x0)) ** 2).mean(dim=tuple(range(1, x0.dim())))
-    return per_sample.mean(), t, per_sample
+    return per_sample.mean(), per_sample
 
 
 def loss_per_bin(t, per_sample, bins=4):

@@ -62,7 +62,8 @@ def get_args(argv=None):
     p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     p.add_argument("--compare", default=None, help="FLAG=A,B[,C]: run each setting of a train.py flag in a fresh "
                    "process (on/off for switches such as compile=off,on; nproc=1,2 for the world size under "
-                   "torchrun, 1 thread per process; dist=ddp,deepspeed with 2 ranks each) and print a ratio table")
+                   "torchrun, 1 thread per process; dist=ddp,deepspeed with 2 ranks each; grad-accum=1,4 keeps the global batch: "
+                   "--batch-size / accum per micro-batch) and print a ratio table")
     p.add_argument("--repeats", type=int, default=None, help="--compare: runs per setting, alternating (default 3; "
                    "suite: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--markdown", action="store_true", help="--compare: print the table as Markdown")
@@ -104,20 +105,24 @@ def run_steps(S, args, n, get_batch, times=None):
 
     import train
     for _ in range(n):
-        last = [time.perf_counter()]
+        last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
         def mark(phase):
             if S["dev"] == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            if times is not None:
-                times.setdefault(phase, []).append(now - last[0])
+            step[phase] = step.get(phase, 0.0) + now - last[0]
             last[0] = now
-        b = get_batch()
-        mark("data_wait")
-        x0, text, mask = train.encode_batch(S, b)  # frozen VAE + text encoder, or precomputed
-        mark("encoders")
-        train.train_step(S, args, x0, text, mask, mark)
+        micro = []
+        for _ in range(args.grad_accum):
+            b = get_batch()
+            mark("data_wait")
+            micro.append(train.encode_batch(S, b))  # frozen VAE + text encoder, or precomputed
+            mark("encoders")
+        train.train_step(S, args, micro, mark)
+        for phase, sec in step.items():
+            if times is not None:
+                times.setdefault(phase, []).append(sec)
 
 
 def flops_per_step(S, args, batch):
@@ -127,7 +132,7 @@ def flops_per_step(S, args, batch):
     import train
     from moe import MoE
     state = {k: v.state_dict() for k, v in S.items() if k in ("model", "ema", "opt", "sched")}
-    x0, text, mask = train.encode_batch(S, batch)
+    micro = [train.encode_batch(S, batch)] * args.grad_accum
     # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
     # dispatch instead (useful FLOPs, without the padding rows), on the eager model
     impls, fwd, bad = {m: m.impl for m in S["model"].modules() if isinstance(m, MoE)}, S["fwd"], S["bad"]
@@ -135,7 +140,7 @@ def flops_per_step(S, args, batch):
         m.impl = "sorted"
     S["fwd"] = S["model"] if args.compile else fwd
     with FlopCounterMode(display=False) as fc:
-        train.train_step(S, args, x0, text, mask)
+        train.train_step(S, args, micro)
     for k, v in state.items():  # that step was only counted: undo it
         S[k].load_state_dict(v)
     for m, impl in impls.items():
@@ -192,7 +197,8 @@ def measure(args):
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     step = [sum(ts) for ts in zip(*times.values())]
     res.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
-    res.update(step_ms=1e3 * statistics.median(step), img_per_s=B * S["world"] / statistics.median(step),
+    res.update(step_ms=1e3 * statistics.median(step),
+               img_per_s=B * args.grad_accum * S["world"] / statistics.median(step),
                share={k: sum(v) / sum(step) for k, v in times.items()}, world=S["world"])
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
@@ -265,6 +271,8 @@ def compare(args, argv):
         for r in range(repeats):
             for v in values:
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
+                if flag == "grad-accum":  # the same global batch: accum x micro-batch = --batch-size
+                    extra += ["--batch-size", str(args.batch_size // int(v))]
                 out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")  # (a value may be a path)
                 cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
                 env = dict(os.environ)

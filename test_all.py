@@ -101,10 +101,11 @@ def test_flow_endpoints_and_target_sign():
     assert torch.allclose(dz, eps - x0, atol=1e-3)  # the target velocity is dz/dt = eps - x0
     # an oracle that knows x0 predicts (z_t - x0) / t = eps - x0 and gets zero loss
     oracle = lambda z, t, text, mask: (z - x0) / t.view(-1, 1, 1, 1)
-    loss, _, _ = flow.flow_loss(oracle, x0, None, None)
+    t = flow.sample_t(4)
+    loss, _ = flow.flow_loss(oracle, x0, None, None, t, eps)
     assert loss.item() < 1e-8
     wrong = lambda z, t, text, mask: -(z - x0) / t.view(-1, 1, 1, 1)   # the opposite sign
-    assert flow.flow_loss(wrong, x0, None, None)[0].item() > 1.0
+    assert flow.flow_loss(wrong, x0, None, None, t, eps)[0].item() > 1.0
 
 
 def test_time_distributions():
@@ -306,6 +307,23 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
             assert torch.equal(a[k][name], b[k][name]), (k, name)
 
 
+def test_gradient_accumulation_trains_the_batch_it_adds_up_to_and_resumes_exactly(tmp_path, monkeypatch):
+    # 2 shards x 48 samples, one loader process: batches of 16 are exactly consecutive pairs of batches of 8
+    small = ",".join(data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=48))
+    flags = TINY + ["--data", small, "--image-size", "16", "--steps", "5", "--ckpt-every", "2", "--lr", "3e-3"]
+    train.main(flags + ["--out", str(tmp_path / "one")])  # 1 x batch 16
+    train.main(flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "accum")])
+    train.main(flags + ["--batch-size", "8", "--out", str(tmp_path / "half")])  # half the batch: must differ
+    one, acc, half = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True)["model"] for r in ("one", "accum", "half"))
+    assert all(torch.allclose(one[k], acc[k], atol=2e-6, rtol=1e-4) for k in one)
+    assert not all(torch.allclose(one[k], half[k], atol=1e-4) for k in one)
+    crash_then_resume(monkeypatch, flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "b")], 3)
+    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["model"]
+    assert all(torch.equal(acc[k], b[k]) for k in acc)
+    pos = torch.load(tmp_path / "accum" / "ckpt.pt", weights_only=True)["data"][0]
+    assert (pos["epoch"], pos["batch_in_epoch"]) == (0, 10)  # 5 steps x 2 micro-batches read
+
+
 def test_sigusr1_writes_a_checkpoint_and_the_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     import signal
     import time
@@ -408,13 +426,13 @@ def test_the_training_step_never_makes_the_host_wait_for_the_device(impl, monkey
     g = torch.Generator().manual_seed(0)
     x0, text = torch.randn(16, 3, 16, 16, generator=g), torch.randn(16, 7, S["config"]["text_dim"], generator=g)
     mask = torch.ones(16, 7, dtype=torch.bool)
-    train.train_step(S, args, x0, text, mask)
+    train.train_step(S, args, [(x0, text, mask)])
     tolist, real = [], torch.Tensor.tolist  # .tolist() reads CPU memory directly, past the dispatcher: catch it
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist.append(1) or real(self))
     with HostReads() as reads:
         for _ in range(2):
             x0[0, 0, 0, 0] = float("nan") if _ else 0.0  # a bad step too: skipped on the device
-            st = train.train_step(S, args, x0, text, mask)
+            st = train.train_step(S, args, [(x0, text, mask)])
     monkeypatch.undo()
     if impl == "sorted":  # the CPU dispatch reads its group sizes: the detector must see that
         assert tolist or reads.seen
@@ -612,9 +630,10 @@ def free_port():
         return str(s.getsockname()[1])
 
 
-def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path):
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
-    # times and caption drop are drawn for the global batch on every rank (each keeps its slice)
+    # times and caption drop are drawn for the global batch on every rank (each keeps its slices);
+    # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
     os.makedirs(tmp_path / "same")
     for s in range(4):
         write_shard(str(tmp_path / "same" / f"s{s}.tar"),
@@ -623,11 +642,12 @@ def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
                     "--warmup", "2", "--cfg-drop", "0.3"]
     train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")])
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), "train.py", "--dist", "ddp", *flags, "--batch-size", "8", "--workers", "1",
-                        "--out", str(tmp_path / "two")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        free_port(), "train.py", "--dist", "ddp", *flags, "--batch-size", "4", "--grad-accum", "2",
+                        "--workers", "1", "--out", str(tmp_path / "two")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "parameters identical on all 2 ranks: True" in r.stdout
-    assert "2 ranks x 8 = global batch 16" in r.stdout
+    assert "2 ranks x 2 micro-batches x 4 = global batch 16" in r.stdout
     one, two = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "two"))
     init = tiny_model(image_size=16, width=32, text_dim=384).state_dict()
     for name in one["model"]:
@@ -661,9 +681,10 @@ def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(tmp_path):
     flags = TINY + ["--image-size", "16", "--steps", "5", "--lr", "2e-3", "--warmup", "2", "--batch-size", "8",
                     "--workers", "1"]
     one = torchrun(tmp_path, 1, flags + ["--dist", "deepspeed", "--out", str(tmp_path / "ds1")])
-    two = torchrun(tmp_path, 2, flags + ["--dist", "deepspeed", "--out", str(tmp_path / "ds2")])
-    ddp = torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "ddp")])
-    assert "zero_optimization" in two and "parameters identical on all 2 ranks: True" in two
+    accum = ["--batch-size", "4", "--grad-accum", "2"]  # ZeRO's gradient_accumulation_steps vs DDP's no_sync
+    two = torchrun(tmp_path, 2, flags + accum + ["--dist", "deepspeed", "--out", str(tmp_path / "ds2")])
+    ddp = torchrun(tmp_path, 2, flags + accum + ["--dist", "ddp", "--out", str(tmp_path / "ddp")])
+    assert '"gradient_accumulation_steps": 2' in two and "parameters identical on all 2 ranks: True" in two
     bytes1 = json.loads(one.split("optimizer state bytes per rank: ")[1].splitlines()[0])
     bytes2 = json.loads(two.split("optimizer state bytes per rank: ")[1].splitlines()[0])
     for b in bytes2:

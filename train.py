@@ -17,6 +17,7 @@ process at once (StopSignals); a non-finite step is skipped on every rank; check
 and the previous one is kept as a fallback; a full disk warns; a resume with changed flags is refused.
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -37,7 +38,7 @@ from moe import balance_loss, default_impl, routing_stats, upcycle
 
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
-DATA_FLAGS = ("data", "batch_size", "workers", "seed")  # they define the stream the saved data position points into
+DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream the saved data position points into
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision",
                            "text_encoder", "vae", "image_size")  # --resume refuses a change to these unless --override names it
 HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # for torchrun --signals-to-handle: its default lacks USR1
@@ -70,10 +71,13 @@ def get_parser():
     a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
     a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="none: one process; ddp: PyTorch DDP "
       "under torchrun (gloo on CPU, NCCL on CUDA); deepspeed: ZeRO-2 under torchrun. Global batch = "
-      "--batch-size x world size")
+      "--batch-size x --grad-accum x world size")
     a("--attn", default="sdpa", choices=["manual", "sdpa"],
       help="manual softmax(QK^T/sqrt d)V or F.scaled_dot_product_attention")
-    a("--batch-size", type=int, default=64, help="images per step (per rank)")
+    a("--batch-size", type=int, default=64, help="images per micro-batch per rank; global batch = batch-size x "
+      "grad-accum x world size")
+    a("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation): the "
+      "global batch of a big run on fewer or smaller GPUs")
     a("--steps", type=int, default=1500, help="optimiser steps")
     a("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     a("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay")
@@ -119,6 +123,8 @@ def get_args(argv=None, parser=None):
         p.error(f"--topk {args.topk} must be between 1 and --moe {args.moe}")
     if args.upcycle and not (args.moe and os.path.exists(args.upcycle)):
         p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
+    if args.grad_accum < 1:
+        p.error("--grad-accum must be at least 1")
     if not 0 <= args.cfg_drop < 1:
         p.error("--cfg-drop must be in [0, 1)")
     if args.dist != "none" and "RANK" not in os.environ:
@@ -213,7 +219,7 @@ def deepspeed_engine(args, model, opt, rank):
     except ImportError as e:
         raise SystemExit("--dist deepspeed needs DeepSpeed: pip install -r requirements.txt") from e
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
-    config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
     if rank == 0:
@@ -225,41 +231,55 @@ def deepspeed_engine(args, model, opt, rank):
 # -----------------------------------------------------------------------------------------------
 # One training step
 # -----------------------------------------------------------------------------------------------
-def drop_captions(text, mask, p, gen, rank=0, world=1):
-    """Replace each caption by the null caption (zeros, all-False mask) with probability p
-    (drawn for the global batch, this rank's slice kept)."""
-    n = text.shape[0]
-    keep = (torch.rand(n * world, generator=gen, device=text.device) >= p)[rank * n:(rank + 1) * n]
+def drop_captions(text, mask, keep):
+    """The null caption (zeros, all-False mask) where keep (B,) is False: classifier-free guidance."""
     return text * keep[:, None, None], mask & keep[:, None]
 
 
-def train_step(S, args, x0, text, mask, mark=None):
-    """Flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no
-    host sync: nothing here reads a number off the device, so on a GPU the host queues the next step
-    while this one runs. A step whose loss or gradient norm is not finite changes no weight, moment or
-    EMA (decided on the device: fused AdamW's `found_inf`, as under torch.amp's GradScaler; ZeRO skips
-    its own update) but still takes its step number and learning rate; S["bad"] counts them on the
-    device (total, in a row now, longest run). Returns device tensors; the loop reads them on log steps.
-    `mark(phase)`, if given, is called as each phase ends (profile.py times them with it)."""
+def train_step(S, args, micro, mark=None):
+    """One optimizer step over `micro`, this rank's --grad-accum micro-batches [(x0, text, mask)]:
+    flow loss (+ MoE balance loss) -> backward, per micro-batch -> clip at 1.0 -> AdamW -> schedule ->
+    EMA. Caption drop, t and noise are drawn for the whole global batch (batch x accum x world) on
+    every rank, which keeps its slices: the run does not depend on how its batch is split.
+    No host sync: nothing here reads a number off the device, so on a GPU the host queues the next
+    step while this one runs. A step whose loss or gradient norm is not finite changes no weight,
+    moment or EMA (decided on the device: fused AdamW's `found_inf`, as under torch.amp's GradScaler;
+    ZeRO skips its own update) but still takes its step number and learning rate; S["bad"] counts
+    them on the device (total, in a row now, longest run). Returns device tensors; the loop reads
+    them on log steps. `mark(phase)`, if given, is called as each phase ends (profile.py times them)."""
     mark = mark or (lambda phase: None)
-    text, mask = drop_captions(text, mask, args.cfg_drop, S["gen"], S["rank"], S["world"])
-    with torch.autocast(S["dev"], dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-        loss, t, per_sample = flow.flow_loss(S["fwd"], x0, text, mask, args.t_dist, S["gen"], S["rank"], S["world"],
-                                             args.t_shift)
-        balance = balance_loss(S["model"]).to(loss.device)  # 0 for a dense model
-    mark("forward")
-    if S["engine"] is not None:  # DeepSpeed: reduce-scatter gradients, clip, step its partition
-        S["engine"].backward(loss + balance)
-        mark("backward")
-        S["engine"].step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
-        grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0), device=S["dev"])
-    else:
+    n, N, W, r, dev = micro[0][0].shape[0], len(micro), S["world"], S["rank"], S["dev"]
+    keep = torch.rand(n * N * W, generator=S["gen"], device=dev) >= args.cfg_drop  # (global batch,)
+    t_all = flow.sample_t(n * N * W, args.t_dist, S["gen"], dev, args.t_shift)
+    eps_all = torch.randn((n * N * W, *micro[0][0].shape[1:]), generator=S["gen"], device=dev)
+    if S["engine"] is None:
         S["opt"].zero_grad(set_to_none=True)
-        (loss + balance).backward()  # DDP averages the gradients over ranks during this call
-        mark("backward")
+    loss, balance, t, per_sample = 0, 0, [], []
+    for i, (x0, text, mask) in enumerate(micro):
+        mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
+        text, mask = drop_captions(text, mask, keep[mine])
+        quiet = S["engine"] is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
+        with S["fwd"].no_sync() if quiet else contextlib.nullcontext():
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                loss_i, per_i = flow.flow_loss(S["fwd"], x0, text, mask, t_all[mine], eps_all[mine])
+                balance_i = balance_loss(S["model"]).to(loss_i.device)  # 0 for a dense model
+            mark("forward")
+            if S["engine"] is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
+                S["engine"].backward(loss_i + balance_i)
+            else:  # DDP averages the gradients over ranks during the last backward
+                ((loss_i + balance_i) / N).backward()
+            mark("backward")
+        if S["engine"] is not None:  # reduce-scatter, clip, step its partition: only at the last micro-batch
+            S["engine"].step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
+        loss, balance = loss + loss_i.detach() / N, balance + balance_i.detach() / N
+        t.append(t_all[mine])
+        per_sample.append(per_i.detach())
+    if S["engine"] is not None:
+        grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0), device=dev)
+    else:
         grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)  # (NaN/inf pass through)
     # under DDP the gradients, hence their norm, are the same on every rank: every rank decides alike
-    bad = ~torch.isfinite(loss.detach() + balance.detach()) | ~torch.isfinite(grad_norm)
+    bad = ~torch.isfinite(loss + balance) | ~torch.isfinite(grad_norm)
     if S["engine"] is None:
         S["opt"].found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
         S["opt"].step()
@@ -272,8 +292,8 @@ def train_step(S, args, x0, text, mask, mark=None):
     run = (S["bad"][1] + 1) * bad.float()
     S["bad"] = torch.stack([S["bad"][0] + bad.float(), run, torch.maximum(S["bad"][2], run)])
     mark("optimizer")
-    return dict(loss=loss.detach(), balance=balance.detach(), t=t, per_sample=per_sample.detach(),
-                grad_norm=grad_norm, bad=bad)
+    return dict(loss=loss, balance=balance, t=torch.cat(t), per_sample=torch.cat(per_sample), grad_norm=grad_norm,
+                bad=bad)
 
 
 def encode_batch(S, b):
@@ -540,8 +560,8 @@ def start(args):
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
               f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | vae {args.vae} | {len(S['shards'])} "
               f"{'precomputed ' if pre else ''}shards | device {S['dev']} {args.precision}"
-              + (f" | {S['world']} ranks x {args.batch_size} = global batch {S['world'] * args.batch_size}"
-                 if S["world"] > 1 else ""))
+              + (f" | {S['world']} ranks x {args.grad_accum} micro-batches x {args.batch_size} = global batch "
+                 f"{S['world'] * args.grad_accum * args.batch_size}" if S["world"] * args.grad_accum > 1 else ""))
     return S, log
 
 
@@ -560,11 +580,11 @@ def train_loop(args, S, log, signals):
         while b is not None:
             signals.defer = True  # from here the step finishes before a signal is acted on
             t0 = time.perf_counter()
-            x0, text, mask = encode_batch(S, b)
+            micro = [encode_batch(S, b)] + [encode_batch(S, next(stream)) for _ in range(args.grad_accum - 1)]
             t1 = time.perf_counter()
-            st = train_step(S, args, x0, text, mask)
+            st = train_step(S, args, micro)
             t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
-            n_seen += x0.shape[0] * S["world"]
+            n_seen += sum(x0.shape[0] for x0, _, _ in micro) * S["world"]
             if S["step"] % args.log_every == 0 or S["step"] == args.steps:  # the only steps that read the device
                 stopped = check(S, args, st, log, signals, n_seen / (time.time() - t_window), t_enc / t_total, bar)
                 n_seen, t_window = 0, time.time()
