@@ -124,10 +124,10 @@ class DiT(nn.Module):
 
     def __init__(self, in_channels=3, image_size=32, patch=4, width=256, depth=6, heads=4,
                  text_dim=384, attn="sdpa", moe=0, topk=2, shared_experts=2, moe_impl="sorted",
-                 expert_hidden=None):
+                 expert_hidden=None, balance="aux"):
         super().__init__()
         moe_kw = dict(n_experts=moe, topk=topk, n_shared=shared_experts, impl=moe_impl,
-                      hidden=expert_hidden) if moe else None
+                      hidden=expert_hidden, balance=balance) if moe else None
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.C, self.p, self.n_side = in_channels, patch, image_size // patch
         self.patch_embed = nn.Conv2d(in_channels, width, kernel_size=patch, stride=patch)

@@ -18,6 +18,11 @@ Decisions recorded here:
     same scale whatever E and k are, and an upcycled model starts exactly equal to its dense parent.
   * expert width: by default each expert has hidden = dense_hidden / (k + shared), so the active
     (per-token) MLP parameters equal the dense MLP's; the total grows with E.
+  * two ways to balance, one flag (`--balance`): `aux`, the Switch loss above (DiT-MoE); `bias`,
+    DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias b is added to the router
+    probabilities for the top-k CHOICE only (the gate weights stay the unbiased probabilities, so no
+    gradient is bent toward balance), and after each step b_i += gamma * sign(mean load - load_i),
+    with the loads of the whole global batch (nudge_biases; train.py sums them over ranks).
   * three dispatches, one flag (`--moe-impl`), equal outputs and gradients (tested):
     `loop` is the readable reference (for every expert, find its tokens with a boolean mask, run
     it, add the weighted result back: DiT-MoE's training path); `sorted` sorts the T*k (token,
@@ -64,7 +69,7 @@ def expert(x, w13, b13, w2, b2):
 class MoE(nn.Module):
     """Token-choice top-k mixture of SwiGLU experts, plus shared experts. x (..., D) -> (..., D)."""
 
-    def __init__(self, dim, n_experts=8, topk=2, n_shared=2, hidden=None, impl="sorted", alpha=0.01):
+    def __init__(self, dim, n_experts=8, topk=2, n_shared=2, hidden=None, impl="sorted", alpha=0.01, balance="aux"):
         super().__init__()
         assert 1 <= topk <= n_experts, "--topk must be between 1 and --moe"
         hidden = hidden or max(8, 8 * round(dense_hidden(dim) / (topk + n_shared) / 8))
@@ -79,7 +84,9 @@ class MoE(nn.Module):
             nn.init.xavier_uniform_(self.w13.data[i].T)
             nn.init.xavier_uniform_(self.w2.data[i].T)
         nn.init.normal_(self.router.weight, std=0.02)
-        self.aux_loss, self.stats = None, {}
+        self.aux_loss, self.stats, self.balance = None, {}, balance
+        if balance == "bias":  # DeepSeek-V3's loss-free balancing: a per-expert bias for the top-k choice only
+            self.register_buffer("bias", torch.zeros(n_experts))  # (a buffer: saved, resumed, never a gradient)
 
     def weights(self, e):
         """Expert e's (w13, b13, w2, b2)."""
@@ -88,10 +95,15 @@ class MoE(nn.Module):
     def route(self, x):
         """x (T, D) -> probabilities (T, E), top-k weights (T, k), expert ids (T, k); sets aux_loss."""
         probs = self.router(x).float().softmax(dim=-1)
-        w, idx = probs.topk(self.k, dim=-1)
+        if self.balance == "bias":  # the bias picks the experts; the weights stay the unbiased probabilities
+            idx = (probs + self.bias).topk(self.k, dim=-1).indices
+            w = probs.gather(-1, idx)
+        else:
+            w, idx = probs.topk(self.k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
         f = expert_counts(idx, self.E).float() / idx.numel()                # (E,) sums to 1
-        self.aux_loss = self.alpha * self.E * (f * probs.mean(0)).sum()     # Switch balance loss
+        # Switch balance loss (--balance aux); the bias needs none
+        self.aux_loss = self.alpha * self.E * (f * probs.mean(0)).sum() if self.balance == "aux" else probs.new_zeros(())
         with torch.no_grad():  # for log.jsonl: load per expert, router entropy
             ent = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
             self.stats = dict(load=f.detach(), entropy=ent, idx=idx.detach())
@@ -213,6 +225,23 @@ def upcycle(model, dense_state):
         state[f"{name}.b2"] = dense_state[f"{name}.w2.bias"].expand(m.E, -1).clone()
     model.load_state_dict(state)
     return len(copied)
+
+
+def nudge_biases(model, loads, rate, skip=None):
+    """--balance bias, after an optimizer step: each layer's bias moves by `rate` toward its
+    under-loaded experts, b_i += rate * sign(mean load - load_i) (DeepSeek-V3, gamma = 0.001).
+    loads (layers, E): this step's assignments per expert, already summed over micro-batches and
+    ranks. skip: a device bool, no nudge when set (a skipped step). All on the device."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.balance == "bias"]
+    with torch.no_grad():
+        for m, load in zip(layers, loads):
+            step = rate * torch.sign(load.mean() - load)
+            m.bias.add_(step if skip is None else step * (~skip).float())
+
+
+def routing_loads(model):
+    """(layers, E): the last forward's share of assignments per expert, every MoE layer (device)."""
+    return torch.stack([m.stats["load"] for m in model.modules() if isinstance(m, MoE)])
 
 
 def routing_stats(model):

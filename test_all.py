@@ -464,6 +464,40 @@ def test_balance_loss_matches_the_formula_and_is_alpha_when_uniform():
     assert abs(m.aux_loss.item() - 0.01) < 1e-6
 
 
+def test_bias_balancing_moves_a_skewed_router_toward_balance_and_keeps_the_unbiased_weights():
+    torch.manual_seed(0)
+    m = moe.MoE(16, n_experts=4, topk=1, n_shared=0, hidden=8, balance="bias")
+    x = torch.randn(512, 16)
+    with torch.no_grad():
+        m.router.weight[0] += 0.3 * x.mean(0) / x.mean(0).norm()  # skewed: expert 0 wins most tokens
+    m.route(x)
+    first = m.stats["load"].clone()
+    for _ in range(300):
+        m.route(x)
+        moe.nudge_biases(m, moe.routing_loads(m), rate=0.002)
+    probs, w, idx = m.route(x)
+    assert first.max() > 0.45 and m.stats["load"].max() < 0.3 and m.stats["load"].min() > 0.2, (first, m.stats["load"])
+    assert m.bias[0] < 0 and m.aux_loss.item() == 0  # expert 0 pushed down; no balance loss in the objective
+    assert torch.equal(probs, m.router(x).softmax(-1)) and torch.allclose(w, torch.ones_like(w))  # top-1: weight 1
+    assert "bias" not in dict(moe.MoE(16, 4, balance="aux").named_buffers())  # aux checkpoints keep their keys
+
+
+def test_bias_balancing_trains_saves_its_biases_and_resumes_exactly(tmp_path, monkeypatch):
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--moe", "4", "--balance", "bias",
+                    "--bias-rate", "0.01", "--steps", "10", "--ckpt-every", "4"]
+    train.main(flags + ["--out", str(tmp_path / "a")])
+    crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=6)
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    biases = [k for k in a["model"] if k.endswith("mlp.bias")]
+    assert len(biases) == 2 and all(a["model"][k].abs().sum() > 0 for k in biases)  # they moved
+    assert all(torch.equal(a["model"][k], a["ema"][k]) for k in biases)  # the EMA routes with the same biases
+    for k in ("model", "ema"):
+        assert all(torch.equal(a[k][n], b[k][n]) for n in a[k]), k
+    logs = [json.loads(l) for l in open(tmp_path / "a" / "log.jsonl") if '"loss"' in l]
+    assert all(r["balance_loss"] == 0 for r in logs)
+
+
 def test_total_and_active_parameter_counts_match_the_formula():
     D, depth, E, k, s = 32, 2, 8, 2, 2
     dense = tiny_model(width=D, depth=depth)

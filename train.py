@@ -34,12 +34,12 @@ import torch.distributed as dist
 import data
 import flow
 from model import DiT, count_params
-from moe import balance_loss, default_impl, routing_stats, upcycle
+from moe import balance_loss, default_impl, nudge_biases, routing_loads, routing_stats, upcycle
 
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream the saved data position points into
-TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision",
+TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision", "bias_rate",
                            "text_encoder", "vae", "image_size")  # --resume refuses a change to these unless --override names it
 HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # for torchrun --signals-to-handle: its default lacks USR1
 
@@ -67,6 +67,9 @@ def get_parser():
     a("--shared-experts", type=int, default=2, help="always-on shared experts per MoE layer (DiT-MoE uses 2)")
     a("--moe-impl", default=None, choices=["loop", "sorted", "grouped"], help="MoE dispatch (equal results): "
       "readable loop, sorted slices (default on CPU) or one grouped GEMM per weight, no host sync (default on CUDA)")
+    a("--balance", default="aux", choices=["aux", "bias"], help="MoE load balancing: aux = Switch's balance loss "
+      "(DiT-MoE); bias = DeepSeek-V3's loss-free per-expert bias on the top-k choice, nudged after every step")
+    a("--bias-rate", type=float, default=0.001, help="--balance bias: how far each step moves a bias (DeepSeek-V3's gamma)")
     a("--expert-hidden", type=int, default=None, help="hidden size of each expert (default: dense / (topk + shared))")
     a("--upcycle", default=None, help="dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
     a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="none: one process; ddp: PyTorch DDP "
@@ -176,7 +179,7 @@ def setup(args, shape=None):
     config = dict(in_channels=vae.channels if vae else 3, image_size=size, patch=args.patch, width=args.width,
                   depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn, moe=args.moe,
                   topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
-                  expert_hidden=args.expert_hidden)
+                  expert_hidden=args.expert_hidden, balance=args.balance)
     if shape:
         config.update(in_channels=shape[0], image_size=shape[1], text_dim=shape[2])
     model = DiT(**config).to(dev)
@@ -255,6 +258,7 @@ def train_step(S, args, micro, mark=None):
     if S["engine"] is None:
         S["opt"].zero_grad(set_to_none=True)
     loss, balance, t, per_sample = 0, 0, [], []
+    loads = 0 if args.moe and args.balance == "bias" else None  # (layers, E) summed over micro-batches
     for i, (x0, text, mask) in enumerate(micro):
         mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
         text, mask = drop_captions(text, mask, keep[mine])
@@ -263,6 +267,8 @@ def train_step(S, args, micro, mark=None):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(S["fwd"], x0, text, mask, t_all[mine], eps_all[mine])
                 balance_i = balance_loss(S["model"]).to(loss_i.device)  # 0 for a dense model
+            if loads is not None:  # (read now: --grad-ckpt's recomputation in the backward routes again)
+                loads = loads + routing_loads(S["model"])
             mark("forward")
             if S["engine"] is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
                 S["engine"].backward(loss_i + balance_i)
@@ -283,12 +289,18 @@ def train_step(S, args, micro, mark=None):
     if S["engine"] is None:
         S["opt"].found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
         S["opt"].step()
+    if loads is not None:  # every rank nudges its biases by the loads of the whole global batch
+        if W > 1:
+            dist.all_reduce(loads)
+        nudge_biases(S["model"], loads, args.bias_rate, skip=bad)
     S["sched"].step()
     S["step"] += 1
     decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
     with torch.no_grad():  # EMA <- EMA + (1 - decay)(model - EMA), all tensors in one fused op; not on a bad step
         ema = list(S["ema"].parameters())
         torch._foreach_lerp_(ema, list(S["model"].parameters()), [(~bad).float() * (1 - decay)] * len(ema))
+        for be, bm in zip(S["ema"].buffers(), S["model"].buffers()):  # (--balance bias: the EMA routes alike)
+            be.copy_(bm)
     run = (S["bad"][1] + 1) * bad.float()
     S["bad"] = torch.stack([S["bad"][0] + bad.float(), run, torch.maximum(S["bad"][2], run)])
     mark("optimizer")
@@ -427,7 +439,8 @@ def load_checkpoint(S, args):
                          f"Pass the checkpoint's values, or accept the change with --override "
                          f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
     how = ("attn", "moe_impl")  # how the model computes, not what: free to change on resume
-    if {k: v for k, v in ckpt["config"].items() if k not in how} != {k: v for k, v in S["config"].items() if k not in how}:
+    was = dict(dict(balance="aux"), **ckpt["config"])  # (written before --balance existed: aux)
+    if {k: v for k, v in was.items() if k not in how} != {k: v for k, v in S["config"].items() if k not in how}:
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S['config']}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
     if len(ckpt["data"]) != S["world"]:  # (ZeRO's partitions need it too)
