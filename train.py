@@ -573,8 +573,9 @@ def start(args):
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
               f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | vae {args.vae} | {len(S['shards'])} "
               f"{'precomputed ' if pre else ''}shards | device {S['dev']} {args.precision}"
-              + (f" | {S['world']} ranks x {args.grad_accum} micro-batches x {args.batch_size} = global batch "
-                 f"{S['world'] * args.grad_accum * args.batch_size}" if S["world"] * args.grad_accum > 1 else ""))
+              + (f" | {S['world']} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
+                 f"{args.batch_size} = global batch {S['world'] * args.grad_accum * args.batch_size}"
+                 if S["world"] * args.grad_accum > 1 else ""))
     return S, log
 
 
