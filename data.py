@@ -11,7 +11,7 @@ What it teaches:
     found 42% of its 512 px step re-encoding frozen models);
   * a reproducible shard export (`python data.py shards`): the same images give the same bytes.
 
-Decisions recorded here (DESIGN.md leaves them to this file):
+Decisions recorded here:
   * built-in data: 3 shapes x 6 colours x 5 positions, random size/jitter/background grey, 24,000
     images of 32x32 in 16 shards, captions from 6 templates; 2 more templates are held out for eval.
   * shards are split by hand (not `wds.split_by_node`) so that the order is a pure function of

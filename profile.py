@@ -16,7 +16,7 @@ settings alternate and repeat so that a noisy neighbour hurts both alike. Result
 Perfetto). On CPU, "peak memory" is the growth of the process's peak RSS over its RSS just before
 the first step (the step's own working memory); on CUDA it is the allocator's peak.
 """
-# This file keeps its name (DESIGN.md). Run from the repo root it shadows the standard library's
+# This file keeps its name (the README's commands use it). Run from the repo root it shadows the standard library's
 # `profile`, which `cProfile` imports (and torch._dynamo, hence torch.compile, imports cProfile).
 # So when it is imported under that name, it hands the standard module over: sys.modules then
 # holds the real one, which is what `import profile` returns. Nothing heavy runs at import time.

@@ -631,14 +631,14 @@ def check(S, args, st, log, signals, img_per_s, encoder_share, bar):
         dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
     loss_sum, stop = flags.tolist()
     total, in_a_row, longest = (int(v) for v in S["bad"].tolist())  # the same on every rank (see train_step)
-    rec = dict(step=S["step"], loss=loss_sum / S["world"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
-               lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"].item(), img_per_s=img_per_s,
-               encoder_share=encoder_share, skipped=S["skipped"], epoch=S["epoch"], bad_steps=total)
-    if in_a_row:  # this step's update was skipped
-        rec["bad_step"] = True
-    if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-        rec.update(balance_loss=st["balance"].item(), routing=routing_stats(S["model"]))
-    if S["rank"] == 0:
+    if S["rank"] == 0:  # (only rank 0 logs: the other ranks read nothing more)
+        rec = dict(step=S["step"], loss=loss_sum / S["world"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
+                   lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"].item(), img_per_s=img_per_s,
+                   encoder_share=encoder_share, skipped=S["skipped"], epoch=S["epoch"], bad_steps=total)
+        if in_a_row:  # this step's update was skipped
+            rec["bad_step"] = True
+        if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
+            rec.update(balance_loss=st["balance"].item(), routing=routing_stats(S["model"]))
         write_log(log, rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
