@@ -33,7 +33,7 @@ import warnings
 import numpy as np
 import torch
 import webdataset as wds
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 # -----------------------------------------------------------------------------------------------
 # The built-in dataset: coloured shapes at named positions
@@ -177,10 +177,25 @@ def grade(images, attrs):
 # -----------------------------------------------------------------------------------------------
 # Images <-> tensors
 # -----------------------------------------------------------------------------------------------
+BACKGROUND = (255, 255, 255)  # what transparent pixels become: white, the page an emoji or a logo sits on
+
+
+def to_rgb(img):
+    """Any image as a camera or a drawing program saved it -> upright RGB: EXIF orientation applied (phones
+    store portrait photos sideways plus a tag), transparency (RGBA, LA, palette with a transparent index)
+    composited onto BACKGROUND, greyscale and palette expanded, 16-bit greyscale scaled to 8 bits."""
+    img = ImageOps.exif_transpose(img)
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):  # convert("RGB") would clip 16-bit values at 255
+        img = Image.fromarray(np.round(np.asarray(img, dtype=np.float64) / 257).clip(0, 255).astype(np.uint8))
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        img = Image.alpha_composite(Image.new("RGBA", img.size, BACKGROUND + (255,)), img.convert("RGBA"))
+    return img.convert("RGB")
+
+
 def cover_crop(img, size):
     """Cover-resize (bicubic; Pillow antialiases when shrinking) so the short side is `size`, then
     centre-crop to size x size: deterministic, the same crop on every run and every machine."""
-    img = img.convert("RGB")
+    img = to_rgb(img)
     if img.size != (size, size):
         s = size / min(img.size)
         img = img.resize((max(size, round(img.width * s)), max(size, round(img.height * s))), Image.BICUBIC)
@@ -562,6 +577,85 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
     return manifest
 
 
+EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"  # apt-get install fonts-noto-color-emoji
+EMOJI_CATEGORIES = {  # Unicode code-point ranges of the emoji charts' groups; "all" = every glyph in the font
+    "animals": [(0x1F400, 0x1F43F), (0x1F54A, 0x1F54A), (0x1F577, 0x1F578), (0x1F980, 0x1F9AE), (0x1FAB0, 0x1FABF)],
+    "plants": [(0x1F330, 0x1F344), (0x1F490, 0x1F490), (0x1FAB4, 0x1FAB7)],
+    "food": [(0x1F32D, 0x1F32F), (0x1F345, 0x1F37F), (0x1F950, 0x1F96F), (0x1F9C0, 0x1F9CB), (0x1FAD0, 0x1FADF)],
+    "faces": [(0x1F600, 0x1F64F), (0x1F910, 0x1F92F), (0x1F970, 0x1F97A), (0x1F9D0, 0x1F9D0), (0x1FAE0, 0x1FAE8)],
+}
+EMOJI_WORDINGS = ["{name}", "an emoji of the {name}", "a picture of the {name}", "the {name}, drawn as an emoji"]
+EMOJI_HELDOUT = "a small icon showing the {name}"  # never in training: the evaluation's wording
+
+
+def emoji_glyphs(categories, font=EMOJI_FONT):
+    """-> [(code point, lower-case Unicode name, RGBA image)] for every single-code-point emoji of the
+    categories that the font draws (skin-tone modifiers, flags' letters and unnamed ones left out)."""
+    import unicodedata
+    from PIL import ImageFont
+    if not os.path.exists(font):
+        raise SystemExit(f"{font}: no emoji font; install it (Debian/Ubuntu: apt-get install fonts-noto-color-emoji)"
+                         f" or pass --font FILE.ttf")
+    face = ImageFont.truetype(font, 109)  # the one size Noto's colour bitmaps come in
+
+    def draw(ch):
+        img = Image.new("RGBA", (160, 160), (0, 0, 0, 0))
+        ImageDraw.Draw(img).text((8, 8), ch, font=face, embedded_color=True)
+        return img
+
+    unknown = set(categories) - set(EMOJI_CATEGORIES) - {"all"}
+    if unknown:
+        raise SystemExit(f"--categories: unknown {sorted(unknown)}; choose from {sorted(EMOJI_CATEGORIES)} or all")
+    ranges = [(0x2000, 0x1FAFF)] if "all" in categories else [r for c in categories for r in EMOJI_CATEGORIES[c]]
+    tofu, out = np.asarray(draw(chr(0x10FFFD))), []  # what the font draws for a code point it lacks
+    for cp in sorted({cp for a, b in ranges for cp in range(a, b + 1)}):
+        ch = chr(cp)
+        if unicodedata.category(ch) != "So" or not unicodedata.name(ch, "") or 0x1F1E6 <= cp <= 0x1F1FF \
+                or 0x1F3FB <= cp <= 0x1F3FF:
+            continue
+        img = draw(ch)
+        if img.getbbox() and not np.array_equal(np.asarray(img), tofu):
+            out.append((cp, unicodedata.name(ch).lower(), img))
+    return out
+
+
+def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, glyphs=None):
+    """Real pictures with real names, as a user would bring their own: each glyph is cropped, centred on
+    a transparent square (RGBA PNG in OUT/images/), captioned in every EMOJI_WORDINGS wording (one line
+    each in OUT/captions.jsonl), then `python data.py shards`' own code (write_shards) turns that into
+    shards, compositing the transparency onto BACKGROUND. OUT/names.json tells train.py and sample.py
+    --eval the names, their pictures and the held-out wording. glyphs: [(id, name, RGBA)] to use instead."""
+    glyphs = emoji_glyphs(categories, font) if glyphs is None else glyphs
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    rows, names, images = [], [], []
+    for cp, name, img in glyphs:
+        img = img.crop(img.getbbox())
+        side = round(max(img.size) * 1.1)  # a 5% margin on each side, as the font's own em box has
+        square = Image.new("RGBA", (side, side), (0, 0, 0, 0))
+        square.paste(img, ((side - img.width) // 2, (side - img.height) // 2))
+        path = f"images/{cp:05x}.png" if isinstance(cp, int) else f"images/{cp}.png"
+        square.save(os.path.join(out, path))
+        names.append(name)
+        images.append(path)
+        rows += [dict(path=path, caption=w.format(name=name)) for w in EMOJI_WORDINGS]
+    with open(os.path.join(out, "captions.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    manifest = write_shards(os.path.join(out, "captions.jsonl"), out, size, per_shard=1000)
+    with open(os.path.join(out, "names.json"), "w") as f:
+        json.dump(dict(names=names, images=images, heldout=EMOJI_HELDOUT, wordings=EMOJI_WORDINGS, size=size,
+                       background=BACKGROUND, categories=list(categories)), f, indent=1)
+    print(f"{len(names)} names x {len(EMOJI_WORDINGS)} wordings -> {out}; held-out wording: {EMOJI_HELDOUT!r}")
+    import sample  # its scorer (retrieval, FID/KID) needs a feature network trained on these pictures: now, once
+    sample.name_net(names_set(out), sample.real_names(names_set(out), size))
+    return manifest
+
+
+def names_set(folder):
+    """The names.json that `python data.py emoji` writes beside its shards (None for other data)."""
+    p = os.path.join(folder, "names.json") if isinstance(folder, str) and os.path.isdir(folder) else ""
+    return dict(json.load(open(p)), root=folder) if os.path.exists(p) else None
+
+
 def verify_shards(out):
     """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
     if not os.path.exists(os.path.join(out, "manifest.json")):
@@ -650,8 +744,15 @@ if __name__ == "__main__":
     c.add_argument("--text-encoder", default="minilm", help="as train.py --text-encoder")
     c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
+    e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
+    e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
+    e.add_argument("--categories", default="animals,food", help=f"comma-separated: {', '.join(EMOJI_CATEGORIES)} or all")
+    e.add_argument("--size", type=int, default=32, help="square side in pixels of the shards' images")
+    e.add_argument("--font", default=EMOJI_FONT, help="a colour emoji font with 109-px bitmaps (Noto Color Emoji)")
     a = p.parse_args()
-    if a.cmd == "shards" and a.verify:
+    if a.cmd == "emoji":
+        make_emoji(a.out, a.categories.split(","), a.size, a.font)
+    elif a.cmd == "shards" and a.verify:
         sys.exit(1 if verify_shards(a.out or a.src) else 0)
     elif a.cmd == "shards" and a.out:
         write_shards(a.src, a.out, a.size, a.per_shard, a.quality)

@@ -222,22 +222,146 @@ def feature_nets(spec, weights=None):
 
 @torch.no_grad()
 def fid_is(real, fake, nets, batch=256):
-    """uint8 real and fake images, feature_nets() -> dict(fid, inception_score, inception_score_std)."""
-    # from their own modules: torchmetrics.image lists these two only when torch-fidelity is installed
+    """uint8 real and fake images, feature_nets() -> dict(fid, kid, kid_std, inception_score, inception_score_std).
+    KID (Binkowski et al. 2018): the squared MMD of the features under a cubic kernel, unbiased at small n
+    where FID is not; averaged over 100 random subsets."""
+    # from their own modules: torchmetrics.image lists these when torch-fidelity is installed
     from torchmetrics.image.fid import FrechetInceptionDistance
     from torchmetrics.image.inception import InceptionScore
+    from torchmetrics.image.kid import KernelInceptionDistance
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     fid = FrechetInceptionDistance(nets[0].cpu(), input_img_size=tuple(real.shape[1:])).to(dev)  # probed on the CPU
     splits = max(1, min(10, len(fake) // 100))  # the usual 10 splits, each of at least 100 images
     with warnings.catch_warnings(action="ignore"):  # IS: "keeps every feature" (MBs here), "std of one split"
         iscore = InceptionScore(nets[1], splits=splits).to(dev)
+        kid = KernelInceptionDistance(nets[0], subset_size=min(1000, len(real), len(fake))).to(dev)
         for i in range(0, len(real), batch):
             fid.update(real[i:i + batch].to(dev), real=True)
+            kid.update(real[i:i + batch].to(dev), real=True)
         for i in range(0, len(fake), batch):
             fid.update(fake[i:i + batch].to(dev), real=False)
+            kid.update(fake[i:i + batch].to(dev), real=False)
             iscore.update(fake[i:i + batch].to(dev))
         mean, std = iscore.compute()
-    return dict(fid=fid.compute().item(), inception_score=mean.item(), inception_score_std=std.nan_to_num().item())
+        kid_mean, kid_std = kid.compute()
+    return dict(fid=fid.compute().item(), kid=kid_mean.item(), kid_std=kid_std.item(), inception_score=mean.item(),
+                inception_score_std=std.nan_to_num().item())
+
+
+# -----------------------------------------------------------------------------------------------
+# Named real pictures (`python data.py emoji`): retrieval, FID/KID and sharpness, no download
+# -----------------------------------------------------------------------------------------------
+class NameNet(torch.nn.Module):
+    """A small CNN trained here, from the real pictures alone, to tell the set's names apart: uint8
+    (N, 3, H, W) -> (features (N, 4w), logits (N, names)). No pretrained weights: it is not Inception,
+    and its FID is not comparable with published numbers; it is comparable between runs on one set."""
+
+    def __init__(self, n_names, w=16):
+        super().__init__()
+
+        def conv(i, o):
+            return [torch.nn.Conv2d(i, o, 3, padding=1), torch.nn.GroupNorm(8, o), torch.nn.SiLU()]
+        self.body = torch.nn.Sequential(*conv(3, w), torch.nn.AvgPool2d(2), *conv(w, 2 * w), *conv(2 * w, 2 * w),
+                                        torch.nn.AvgPool2d(2), *conv(2 * w, 4 * w), *conv(4 * w, 4 * w),
+                                        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())  # 32 px: ~15 MFLOP
+        self.head = torch.nn.Linear(4 * w, n_names)
+
+    def forward(self, x):
+        f = self.body(x.float() / 127.5 - 1)
+        return f, self.head(f)
+
+
+def views(x, g):
+    """Random views of uint8 pictures, like a sampler's near misses: shifted (up to 1/16 of the side),
+    scaled by 0.85-1.15, half of them blurred, all with Gaussian noise of a random strength (sigma <= 0.2)."""
+    n, x = len(x), x.float() / 127.5 - 1
+    theta = torch.zeros(n, 2, 3)
+    theta[:, 0, 0] = theta[:, 1, 1] = 1 / torch.empty(n).uniform_(0.85, 1.15, generator=g)
+    theta[:, :, 2] = torch.empty(n, 2).uniform_(-0.125, 0.125, generator=g)  # (grid units: 2 = the side)
+    x = F.grid_sample(x, F.affine_grid(theta, x.shape, align_corners=False), padding_mode="border", align_corners=False)
+    x = torch.where(torch.rand(n, 1, 1, 1, generator=g) < 0.5, F.avg_pool2d(x, 3, 1, 1, count_include_pad=False), x)
+    return as_uint8(x + torch.randn(x.shape, generator=g) * torch.rand(n, 1, 1, 1, generator=g) * 0.2)
+
+
+def real_names(names, size):
+    """The set's one picture per name, prepared as the converter prepares it -> uint8 (N, 3, size, size)."""
+    from PIL import Image
+    return as_uint8(torch.stack([data.to_tensor(Image.open(os.path.join(names["root"], p)), size)
+                                 for p in names["images"]]))
+
+
+def name_net(names, real, steps=1000, batch=64, seed=0):
+    """NameNet for this set at this size, trained on views() of the real pictures (cached beside them)."""
+    path = os.path.join(names["root"], f"namenet{real.shape[-1]}.pt")
+    with torch.random.fork_rng():  # its init must not move the caller's random stream (a training run's)
+        torch.manual_seed(seed)
+        net = NameNet(len(real))
+    if os.path.exists(path):
+        saved = torch.load(path, weights_only=True)
+        if saved["names"] == names["names"]:
+            net.load_state_dict(saved["state"])
+            return net.eval()
+    from tqdm import tqdm
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 2e-3, total_steps=steps)
+    for _ in tqdm(range(steps), desc=f"training the name classifier on {len(real)} real pictures", unit="step"):
+        idx = torch.randint(len(real), (batch,), generator=g)
+        loss = F.cross_entropy(net(views(real[idx], g))[1], idx)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    torch.save(dict(state=net.state_dict(), names=names["names"]), path)
+    return net.eval()
+
+
+def laplacian(x):
+    """Mean |Laplacian| of uint8 pictures: high-frequency energy (speckle, noise, hard edges)."""
+    k = torch.tensor([[0., 1, 0], [1, -4, 1], [0, 1, 0]]).expand(3, 1, 3, 3)
+    return F.conv2d(x.float() / 255, k, groups=3).abs().mean().item()
+
+
+@torch.no_grad()
+def score_names(fake, want, names, size, fid=True):
+    """Samples (uint8) of the names `want` (indices) -> retrieval top-1/top-5 (is the nearest real picture, by
+    cosine in NameNet's features, the one the caption names?), chance, the same for views() of the real
+    pictures (the ceiling), sharpness (÷ the real pictures'; 1 = as smooth as the data), FID/KID/IS."""
+    real = real_names(names, size)
+    net = name_net(names, real)
+
+    def top(x, want):
+        sim = F.normalize(net(x)[0], dim=1) @ F.normalize(net(real)[0], dim=1).T  # (n, names)
+        rank = (sim > sim.gather(1, want[:, None])).sum(1)  # how many names beat the right one
+        return (rank < 1).float().mean().item(), (rank < 5).float().mean().item()
+
+    out = dict(zip(("top1", "top5"), top(fake, want)), chance1=1 / len(real), chance5=min(1, 5 / len(real)))
+    out.update(zip(("ceiling_top1", "ceiling_top5"), top(views(real, torch.Generator().manual_seed(1)), torch.arange(len(real)))))
+    out["sharpness"] = laplacian(fake) / laplacian(real[want])
+    if fid:
+        out.update(fid_is(real, fake, (Pick(net, 0), Pick(net, 1))))
+    return out
+
+
+def names_grid(fake, want, names, size, path, cols=12, blocks=2):
+    """Real vs generated: `blocks` x `cols` names spread over the set, the real picture above the first sample."""
+    from PIL import Image
+    real, first = real_names(names, size), {}
+    for j, i in enumerate(want.tolist()):
+        first.setdefault(i, j)
+    pick = [i for i in sorted(first)][::max(1, len(first) // (cols * blocks))][:cols * blocks]
+    rows = [pick[b * cols:(b + 1) * cols] for b in range(blocks)]
+    pil = [Image.fromarray(x.permute(1, 2, 0).numpy()) for r in rows for x in [*real[r], *fake[[first[i] for i in r]]]]
+    data.save_grid(pil, path, nrow=len(rows[0]), scale=3)
+
+
+def print_names(scores, n, args_text):
+    """The scores of score_names() as a reader wants them."""
+    print(f"{n} samples of the held-out wording, {args_text}: retrieval top-1 {100 * scores['top1']:.1f}% top-5 "
+          f"{100 * scores['top5']:.1f}% (chance {100 * scores['chance1']:.1f}% / {100 * scores['chance5']:.1f}%; real "
+          f"pictures' shifted, blurred, noised views {100 * scores['ceiling_top1']:.1f}% / {100 * scores['ceiling_top5']:.1f}%)"
+          f" | sharpness {scores['sharpness']:.2f}x the real pictures'"
+          + (f" | FID {scores['fid']:.1f}, KID {scores['kid']:.4f} (NameNet features, not Inception)" if "fid" in scores else ""))
 
 
 class CLIPFeatures(torch.nn.Module):
@@ -289,7 +413,16 @@ def main(argv=None):
         def uint8(ims):  # samples (PIL) -> uint8 (N, 3, H, W), like the real images
             return as_uint8(torch.stack([data.to_tensor(im, size) for im in ims]))
 
-        if targs.get("data", data.BUILTIN) == data.BUILTIN:  # the built-in data keeps its judge
+        names = data.names_set(targs.get("data"))
+        if names:  # named real pictures (python data.py emoji): retrieval, sharpness, FID/KID
+            want = torch.arange(len(names["names"])).repeat_interleave(args.eval_n)
+            captions = [names["heldout"].format(name=names["names"][i]) for i in want]
+            fake = uint8(sample(model, encoder, captions, args))
+            out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
+            names_grid(fake, want, names, size, out)
+            scores.update(score_names(fake, want, names, size), n=len(want))
+            print_names(scores, len(want), f"{args.steps} Euler steps, cfg {args.cfg}; grid (real above generated): {out}")
+        elif targs.get("data", data.BUILTIN) == data.BUILTIN:  # the built-in data keeps its judge
             prompts = data.heldout_prompts(args.eval_n)
             captions = [p for p, _ in prompts]
             images = sample(model, encoder, captions, args)
@@ -301,8 +434,8 @@ def main(argv=None):
                 print(f"  {k:9s} {100 * v:5.1f}%")
             scores.update(acc, n=len(prompts))
         elif not (args.real or args.clip_model):
-            raise SystemExit("--eval: the judge knows only the built-in data; for this checkpoint pass --real "
-                             "and/or --clip-model")
+            raise SystemExit("--eval: the judge knows only the built-in data and sets with a names.json (python "
+                             "data.py emoji); for this checkpoint pass --real and/or --clip-model")
         if args.real:  # FID/IS: the real captions drawn, then set against the real images
             real, captions = real_images(args.real, size, args.real_n, args.seed)
             images = sample(model, encoder, captions, args)

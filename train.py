@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import data
 import flow
+import sample
 from model import DiT, count_params
 from moe import balance_loss, default_impl, nudge_biases, routing_loads, routing_stats, upcycle
 
@@ -471,18 +472,29 @@ def load_checkpoint(S, args):
     return name, changed
 
 
-def sample_grid(S, args, path, n_each=1, seed=1234):
-    """EMA samples of every held-out colour x shape x position, n_each times (fixed noise) -> the
-    judge's accuracy on them (None on other data); the first of each go to a PNG grid, one row per colour."""
-    prompts = data.heldout_prompts(n_each)
-    c = S["config"]
+def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
+    """EMA samples of every held-out prompt, n_each times (fixed noise) -> the judge's accuracy on them
+    (built-in data), or the retrieval scores (a set of named pictures, `python data.py emoji`), else None;
+    a PNG grid: the first of each, one row per colour, or real pictures above generated ones."""
+    names, c = S["names"], S["config"]
+    if names:  # every name in its held-out wording
+        want = torch.arange(len(names["names"])).repeat_interleave(n_each)
+        prompts = [(names["heldout"].format(name=names["names"][i]), None) for i in want]
+    else:
+        prompts = data.heldout_prompts(n_each)
     x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg, seed=seed,
                       shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"], shift=args.t_shift)
-    images = [data.to_pil(im) for im in (x if S["vae"] is None else S["vae"].decode(x))]
+    x = (x if S["vae"] is None else S["vae"].decode(x)).cpu()
+    images = [data.to_pil(im) for im in x]
     try:
-        data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
+        if names:
+            sample.names_grid(sample.as_uint8(x), want, names, args.image_size, path)
+        else:
+            data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {path} not written ({e}); training goes on", file=sys.stderr)
+    if names:
+        return sample.score_names(sample.as_uint8(x), want, names, args.image_size, fid)
     return data.grade(images, [a for _, a in prompts]) if S["judged"] else None
 
 
@@ -557,6 +569,8 @@ def start(args):
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     S.update(setup(args))
     S["judged"] = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
+    S["names"] = None if pre else data.names_set(args.data)  # a set of named pictures: retrieval scores
+    S["t_start"] = time.time()
     master = S["rank"] == 0  # only rank 0 prints, logs, samples and writes files
     log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
@@ -607,7 +621,7 @@ def train_loop(args, S, log, signals):
             bar.update(1)
             if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
                 acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-                write_log(log, dict(step=S["step"], sample_acc=acc))
+                write_log(log, dict(step=S["step"], sample_acc=acc, minutes=(time.time() - S["t_start"]) / 60))
             if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
                 save_checkpoint(S, args)
             if S["step"] >= args.steps or stopped:  # before the next batch is fetched, so the saved
@@ -670,7 +684,11 @@ def finish(args, S, log, signals, stopped):
         print(f"frozen encoders' share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
               f"skipped samples: {S['skipped']} | skipped non-finite steps: {int(S['bad'][0])}")
         sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-        if args.eval_n and not S["judged"]:
+        if args.eval_n and S["names"]:  # every name eval_n times in its held-out wording, noise from --seed
+            acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed, fid=True)
+            write_log(log, dict(step=S["step"], eval=acc, minutes=(time.time() - S["t_start"]) / 60))
+            sample.print_names(acc, args.eval_n * len(S["names"]["names"]), f"{args.sample_steps} steps, cfg {args.cfg}")
+        elif args.eval_n and not S["judged"]:
             print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
         elif args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
             acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed)
