@@ -1090,6 +1090,129 @@ def test_converter_round_trip_on_real_photos(tmp_path):
 
 
 # -----------------------------------------------------------------------------------------------
+# Real pictures with real names: `python data.py emoji` and its scores
+# -----------------------------------------------------------------------------------------------
+def test_converter_makes_any_image_upright_rgb_with_transparency_on_white(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+
+    def put(name, img, fmt="PNG", **kw):
+        img.save(src / f"{name}.{fmt.lower()}", fmt, **kw)
+        (src / f"{name}.txt").write_text(name)
+    rgba = Image.new("RGBA", (16, 16), (0, 0, 0, 0))  # transparent black: convert("RGB") alone makes it black
+    rgba.paste((200, 30, 30, 255), (0, 0, 8, 16))
+    put("rgba", rgba)
+    la = Image.new("LA", (16, 16), (0, 0))
+    la.paste((90, 255), (0, 0, 8, 16))
+    put("la", la)
+    pal = Image.new("P", (16, 16), 0)
+    pal.putpalette([0, 0, 0, 30, 30, 200] + [0] * 762)
+    pal.paste(1, (0, 0, 8, 16))
+    put("palette", pal, transparency=0)  # index 0 (black) is transparent
+    put("grey", Image.new("L", (16, 16), 100))
+    put("grey16", Image.fromarray(np.full((16, 16), 32896, dtype=np.uint16)))  # 16-bit: 32896 / 257 = 128
+    photo = Image.new("RGB", (32, 16), (30, 200, 30))  # a phone photo stored sideways: red on the left...
+    photo.paste((200, 30, 30), (0, 0, 16, 16))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # ...and the tag "rotate 90 degrees clockwise to view": upright, red is on top
+    put("exif", photo, "JPEG", exif=exif, quality=100)
+    m = data.write_shards(str(src), str(tmp_path / "out"), size=16, per_shard=100)
+    assert m["samples"] == 6 and not m["skipped"]
+    got = {s["txt"].decode(): np.asarray(Image.open(io.BytesIO(s["jpg"])), dtype=np.float32)
+           for s in wds.tarfile_samples([{"url": str(tmp_path / "out" / m["shards"][0]["name"])}])}
+
+    def near(a, rgb):
+        return np.abs(a - np.array(rgb, dtype=np.float32)).max() < 30  # JPEG q95 at colour edges
+    white = (255, 255, 255)
+    assert near(got["rgba"][:, :6], (200, 30, 30)) and near(got["rgba"][:, 10:], white)
+    assert near(got["la"][:, :6], (90, 90, 90)) and near(got["la"][:, 10:], white)
+    assert near(got["palette"][:, :6], (30, 30, 200)) and near(got["palette"][:, 10:], white)
+    assert near(got["grey"], (100, 100, 100)) and near(got["grey16"], (128, 128, 128))
+    assert near(got["exif"][:6], (200, 30, 30)) and near(got["exif"][10:], (30, 200, 30))
+
+
+def glyph_like(n):
+    """n emoji-like RGBA pictures (a coloured shape with a dark eye on transparency): what the emoji
+    tests draw where the font cannot be installed."""
+    from PIL import ImageDraw
+    out, rng = [], random.Random(0)
+    for i in range(n):
+        img = Image.new("RGBA", (100, 90), (0, 0, 0, 0))
+        d, fill = ImageDraw.Draw(img), tuple(rng.randrange(40, 240) for _ in range(3)) + (255,)
+        [d.ellipse, d.rectangle, lambda b, fill: d.polygon([(b[0], b[3]), (50, b[1]), (b[2], b[3])], fill=fill)][i % 3](
+            (10 + 3 * i, 5, 90 - 2 * i, 85), fill=fill)
+        d.ellipse((30 + 5 * i, 30, 42 + 5 * i, 42), fill=(20, 20, 20, 255))
+        out.append((f"g{i}", f"glyph number {i}", img))
+    return out
+
+
+@pytest.fixture(scope="module")
+def emoji_set(tmp_path_factory):
+    """A small named-picture set at 16 px: 8 food emoji from the font where it is installed (CI installs
+    it), else 8 glyph-like pictures; shards, names.json and the trained name classifier."""
+    out = str(tmp_path_factory.mktemp("emoji"))
+    if os.path.exists(data.EMOJI_FONT):
+        food = data.emoji_glyphs(["food"])
+        assert len(food) > 100 and "red apple" in [n for _, n, _ in food]  # real names, from unicodedata
+        glyphs = food[::len(food) // 8][:8]
+    else:
+        glyphs = glyph_like(8)
+    data.make_emoji(out, size=16, glyphs=glyphs)
+    return out, glyphs
+
+
+def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(emoji_set):
+    out, glyphs = emoji_set
+    names = data.names_set(out)
+    assert names["names"] == [n for _, n, _ in glyphs] and data.verify_shards(out) == []
+    samples = [s for shard in data.resolve_shards(out, 16) for s in wds.tarfile_samples([{"url": shard}])]
+    captions = sorted(s["txt"].decode() for s in samples)
+    assert captions == sorted(w.format(name=n) for n in names["names"] for w in data.EMOJI_WORDINGS)
+    assert not any(names["heldout"].format(name=n) in captions for n in names["names"])  # kept for the eval
+    for s in samples:
+        img = np.asarray(Image.open(io.BytesIO(s["jpg"])), dtype=np.float32)
+        assert img.shape == (16, 16, 3) and img[0, 0].min() > 220  # transparency composited onto white (not black)
+    assert os.path.exists(os.path.join(out, "namenet16.pt"))
+
+
+def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
+    out, _ = emoji_set
+    names = data.names_set(out)
+    real = sample.real_names(names, 16)
+    want = torch.arange(len(real)).repeat(4)
+    near_misses = sample.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
+    good = sample.score_names(near_misses, want, names, 16)
+    assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
+    wrong = sample.score_names(near_misses, want.roll(1), names, 16)  # each picture under another's name
+    assert wrong["top1"] <= 0.2
+    noise = sample.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
+    bad = sample.score_names(noise, want, names, 16)
+    assert bad["fid"] > 2 * good["fid"] and bad["kid"] > good["kid"] and bad["sharpness"] > 2
+    speckled = sample.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
+    blurred = sample.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
+    s_speckled = sample.score_names(speckled, want, names, 16, fid=False)["sharpness"]
+    assert s_speckled > 1.2 and sample.score_names(blurred, want, names, 16, fid=False)["sharpness"] < 0.8
+
+
+def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_path, emoji_set):
+    out, run = emoji_set[0], str(tmp_path / "run")
+    train.main(TINY + ["--data", out, "--image-size", "16", "--steps", "4", "--sample-every", "2", "--eval-n", "1",
+                       "--out", run])
+    log = [json.loads(l) for l in open(os.path.join(run, "log.jsonl"))]
+    periodic = next(r for r in log if "sample_acc" in r)
+    assert periodic["step"] == 2 and periodic["minutes"] > 0 and 0 <= periodic["sample_acc"]["top1"] <= 1
+    final = next(r for r in log if "eval" in r)["eval"]
+    assert {"top1", "top5", "ceiling_top1", "sharpness", "fid", "kid"} <= set(final)
+    assert Image.open(os.path.join(run, "samples", "eval.png")).size == (8 * 16 * 3, 2 * 16 * 3)  # real above samples
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(run, "ckpt.pt"), "--eval", "--eval-n", "2",
+                        "--steps", "2", "--cfg", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    scores = json.loads(r.stdout.strip().splitlines()[-1])
+    assert scores["n"] == 16 and scores["cfg"] == 0 and scores["chance5"] == 5 / 8 and "retrieval top-1" in r.stdout
+    assert os.path.exists(os.path.join(run, "eval_2steps_cfg0.png"))
+
+
+# -----------------------------------------------------------------------------------------------
 # Faults a long run meets: each injected for real; the user sees a message and loses nothing
 # -----------------------------------------------------------------------------------------------
 def strict_json(line):
