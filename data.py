@@ -9,7 +9,11 @@ What it teaches:
   * frozen encoders must not dominate the step: the text encoder caches each distinct caption, and
     `python data.py precompute` runs the VAE and text encoder once, offline (the seed's profiler
     found 42% of its 512 px step re-encoding frozen models);
-  * a reproducible shard export (`python data.py shards`): the same images give the same bytes.
+  * a reproducible shard export (`python data.py shards`): the same images give the same bytes, and
+    any image a user brings (transparent, palette, 16-bit grey, a phone photo stored sideways) becomes
+    upright RGB the same way (`to_rgb`);
+  * real pictures with real names, offline: `python data.py emoji OUT` renders the Noto Color Emoji
+    font (Debian package fonts-noto-color-emoji) and feeds the pictures through that same converter.
 
 Decisions recorded here:
   * built-in data: 3 shapes x 6 colours x 5 positions, random size/jitter/background grey, 24,000

@@ -9,6 +9,17 @@ saw in training (data.HELDOUT_TEMPLATES), samples them from the EMA weights, and
 (data.judge) name the colour, shape and position of each picture. Checkpoints load with
 weights_only=True: they hold tensors and plain Python values only, so loading runs no pickled code.
 
+A set of named real pictures (`python data.py emoji OUT`, which writes OUT/names.json) is scored without
+any download: every name is drawn in a wording never used in training, and a small CNN trained here on
+the real pictures alone (NameNet, cached as OUT/namenet<size>.pt) gives its features to
+  * retrieval: is the real picture nearest to a sample (cosine of features) the one its caption names?
+    top-1 / top-5 among all names, printed with chance and with the same score for shifted, blurred,
+    noised views of the real pictures (the ceiling); `--cfg 0` (no caption at all) gives the floor;
+  * FID, KID and IS against the real pictures in those features: comparable between runs on one set,
+    not with published (Inception) numbers;
+  * sharpness: mean |Laplacian| of the samples / that of the real pictures (1 = as smooth as the data;
+    speckle and noise push it above 1, blur below).
+
 Metrics for any data (torchmetrics), added to the same JSON line (the judge stays for built-in data):
     python sample.py --ckpt ... --eval --real shards/ --features inception.pt --clip-model openai/clip-vit-base-patch32
   * `--real`: FID and Inception Score of samples drawn from the captions of real shards, against
