@@ -90,7 +90,8 @@ def get_parser():
       "t' = s t / (1 + (s - 1) t); 1 = none. README: ~sqrt(pixels / 256^2), e.g. 2 for 512 px latents")
     a("--grad-ckpt", action="store_true", help="activation checkpointing of every block: its activations are "
       "recomputed in the backward pass instead of kept (less memory, ~1/3 more compute)")
-    a("--cfg-drop", type=float, default=0.1, help="probability of dropping a caption (for classifier-free guidance)")
+    a("--cfg-drop", type=float, default=0.1, help="probability of dropping a caption (for classifier-free guidance); 1 = "
+      "no caption ever: the floor of a caption-following score")
     a("--ema", type=float, default=0.995, help="EMA decay of the weights used for sampling")
     a("--precision", default=None, choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
     a("--compile", action="store_true", help="torch.compile the training forward/backward")
@@ -107,7 +108,8 @@ def get_parser():
       "numbers off the device (loss, grad norm, bad steps) and agree on a stop signal")
     a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
-    a("--cfg", type=float, default=5.0, help="guidance scale w for samples and the final evaluation")
+    a("--cfg", type=float, default=3.0, help="guidance scale w for samples and the final evaluation (README: 3 "
+      "suits shapes and real pictures; 5 speckles)")
     a("--sample-steps", type=int, default=25, help="Euler steps for samples and the final evaluation")
     a("--eval-n", type=int, default=2,
       help="final evaluation: samples per held-out colour x shape x position (0 = skip)")
@@ -129,8 +131,8 @@ def get_args(argv=None, parser=None):
         p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
     if args.grad_accum < 1:
         p.error("--grad-accum must be at least 1")
-    if not 0 <= args.cfg_drop < 1:
-        p.error("--cfg-drop must be in [0, 1)")
+    if not 0 <= args.cfg_drop <= 1:
+        p.error("--cfg-drop must be in [0, 1]")
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ... "
                 "(or sbatch run.slurm)")
