@@ -68,7 +68,7 @@ def get_args(argv=None):
     p.add_argument("--out", default=None, help="PNG grid path (default: next to the checkpoint)")
     p.add_argument("--eval", action="store_true", help="score samples: the judge (built-in data), --real, "
                    "--clip-model; last line is JSON")
-    p.add_argument("--eval-n", type=int, default=2, help="--eval: samples per colour x shape x position")
+    p.add_argument("--eval-n", type=int, default=2, help="--eval: samples per colour x shape x position, or per name")
     p.add_argument("--real", default=None, help="--eval: raw shards {jpg|png, txt} (folder, comma-separated "
                    ".tar paths, or 'builtin'): FID + IS of samples of their captions against their images")
     p.add_argument("--real-n", type=int, default=1000, help="--real: how many real images (and samples); FID is "

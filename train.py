@@ -112,7 +112,7 @@ def get_parser():
       "suits shapes and real pictures; 5 speckles)")
     a("--sample-steps", type=int, default=25, help="Euler steps for samples and the final evaluation")
     a("--eval-n", type=int, default=2,
-      help="final evaluation: samples per held-out colour x shape x position (0 = skip)")
+      help="final evaluation: samples per held-out colour x shape x position, or per name (0 = skip)")
     return p
 
 
@@ -484,9 +484,13 @@ def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
         prompts = [(names["heldout"].format(name=names["names"][i]), None) for i in want]
     else:
         prompts = data.heldout_prompts(n_each)
-    x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts], args.sample_steps, args.cfg, seed=seed,
-                      shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"], shift=args.t_shift)
-    x = (x if S["vae"] is None else S["vae"].decode(x)).cpu()
+    chunks = []
+    for i in range(0, len(prompts), 256):  # in batches of 256 with noise from seed + i, as sample.py --eval draws
+        x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts[i:i + 256]], args.sample_steps, args.cfg,
+                          seed=seed + i, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"],
+                          shift=args.t_shift)
+        chunks.append((x if S["vae"] is None else S["vae"].decode(x)).cpu())
+    x = torch.cat(chunks)
     images = [data.to_pil(im) for im in x]
     try:
         if names:
