@@ -657,7 +657,10 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
 def names_set(folder):
     """The names.json that `python data.py emoji` writes beside its shards (None for other data)."""
     p = os.path.join(folder, "names.json") if isinstance(folder, str) and os.path.isdir(folder) else ""
-    return dict(json.load(open(p)), root=folder) if os.path.exists(p) else None
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        return dict(json.load(f), root=folder)
 
 
 def verify_shards(out):
