@@ -650,7 +650,8 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
                        background=BACKGROUND, categories=list(categories)), f, indent=1)
     print(f"{len(names)} names x {len(EMOJI_WORDINGS)} wordings -> {out}; held-out wording: {EMOJI_HELDOUT!r}")
     import sample  # its scorer (retrieval, FID/KID) needs a feature network trained on these pictures: now, once
-    sample.name_net(names_set(out), sample.real_names(names_set(out), size))
+    names = names_set(out)
+    sample.name_net(names, sample.real_names(names, size))
     return manifest
 
 

@@ -337,15 +337,16 @@ def laplacian(x):
 
 
 @torch.no_grad()
-def score_names(fake, want, names, size, fid=True):
+def score_names(fake, want, names, real, fid=True):
     """Samples (uint8) of the names `want` (indices) -> retrieval top-1/top-5 (is the nearest real picture, by
     cosine in NameNet's features, the one the caption names?), chance, the same for views() of the real
-    pictures (the ceiling), sharpness (÷ the real pictures'; 1 = as smooth as the data), FID/KID/IS."""
-    real = real_names(names, size)
+    pictures (the ceiling), sharpness (÷ the real pictures'; 1 = as smooth as the data), FID/KID/IS.
+    real: real_names(), loaded once by the caller."""
     net = name_net(names, real)
+    ref = F.normalize(net(real)[0], dim=1)  # (names, features)
 
     def top(x, want):
-        sim = F.normalize(net(x)[0], dim=1) @ F.normalize(net(real)[0], dim=1).T  # (n, names)
+        sim = F.normalize(net(x)[0], dim=1) @ ref.T  # (n, names)
         rank = (sim > sim.gather(1, want[:, None])).sum(1)  # how many names beat the right one
         return (rank < 1).float().mean().item(), (rank < 5).float().mean().item()
 
@@ -357,10 +358,10 @@ def score_names(fake, want, names, size, fid=True):
     return out
 
 
-def names_grid(fake, want, names, size, path, cols=12, blocks=2):
+def names_grid(fake, want, real, path, cols=12, blocks=2):
     """Real vs generated: `blocks` x `cols` names spread over the set, the real picture above the first sample."""
     from PIL import Image
-    real, first = real_names(names, size), {}
+    first = {}
     for j, i in enumerate(want.tolist()):
         first.setdefault(i, j)
     pick = [i for i in sorted(first)][::max(1, len(first) // (cols * blocks))][:cols * blocks]
@@ -433,8 +434,9 @@ def main(argv=None):
             captions = [names["heldout"].format(name=names["names"][i]) for i in want]
             fake = uint8(sample(model, encoder, captions, args))
             out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
-            names_grid(fake, want, names, size, out)
-            scores.update(score_names(fake, want, names, size), n=len(want))
+            real = real_names(names, size)
+            names_grid(fake, want, real, out)
+            scores.update(score_names(fake, want, names, real), n=len(want))
             print_names(scores, len(want), f"{args.steps} Euler steps, cfg {args.cfg}; grid (real above generated): {out}")
         elif targs.get("data", data.BUILTIN) == data.BUILTIN:  # the built-in data keeps its judge
             prompts = data.heldout_prompts(args.eval_n)

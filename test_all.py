@@ -1181,17 +1181,17 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     real = sample.real_names(names, 16)
     want = torch.arange(len(real)).repeat(4)
     near_misses = sample.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
-    good = sample.score_names(near_misses, want, names, 16)
+    good = sample.score_names(near_misses, want, names, real)
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
-    wrong = sample.score_names(near_misses, want.roll(1), names, 16)  # each picture under another's name
+    wrong = sample.score_names(near_misses, want.roll(1), names, real)  # each picture under another's name
     assert wrong["top1"] <= 0.2
     noise = sample.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
-    bad = sample.score_names(noise, want, names, 16)
+    bad = sample.score_names(noise, want, names, real)
     assert bad["fid"] > 2 * good["fid"] and bad["kid"] > good["kid"] and bad["sharpness"] > 2
     speckled = sample.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
     blurred = sample.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
-    s_speckled = sample.score_names(speckled, want, names, 16, fid=False)["sharpness"]
-    assert s_speckled > 1.2 and sample.score_names(blurred, want, names, 16, fid=False)["sharpness"] < 0.8
+    s_speckled = sample.score_names(speckled, want, names, real, fid=False)["sharpness"]
+    assert s_speckled > 1.2 and sample.score_names(blurred, want, names, real, fid=False)["sharpness"] < 0.8
 
 
 def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_path, emoji_set):

@@ -491,16 +491,17 @@ def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
                           shift=args.t_shift)
         chunks.append((x if S["vae"] is None else S["vae"].decode(x)).cpu())
     x = torch.cat(chunks)
-    images = [data.to_pil(im) for im in x]
+    images = None if names else [data.to_pil(im) for im in x]
+    real = sample.real_names(names, args.image_size) if names else None  # the set's pictures, read once
     try:
         if names:
-            sample.names_grid(sample.as_uint8(x), want, names, args.image_size, path)
+            sample.names_grid(sample.as_uint8(x), want, real, path)
         else:
             data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {path} not written ({e}); training goes on", file=sys.stderr)
     if names:
-        return sample.score_names(sample.as_uint8(x), want, names, args.image_size, fid)
+        return sample.score_names(sample.as_uint8(x), want, names, real, fid)
     return data.grade(images, [a for _, a in prompts]) if S["judged"] else None
 
 
