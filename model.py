@@ -12,8 +12,9 @@ What it teaches, top to bottom:
 
 Block layout (the seed's design table): per stream h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K)
 -> joint attention -> output Linear -> adaLN -> SwiGLU, then one ungated residual s <- s + h.
-The text stream of the last layer stops after K, V (its output would never be used: SD3 does the
-same), which also keeps every parameter in the graph for DDP.
+The text stream of the last layer has no output Linear and no MLP (`pre_only`): its Q, K, V still enter
+the joint attention, but its own output would never be used (SD3 does the same); its queries' gradients
+are zero, yet every parameter stays in the graph, which DDP needs.
 """
 import math
 
@@ -190,6 +191,11 @@ class DiT(nn.Module):
                 x, c = block(x, c, mask, cond)
         shift, scale = self.final_ada(cond).chunk(2, dim=-1)
         return self.unpatchify(self.final(modulate(self.final_norm(x), shift, scale)))
+
+
+def device():
+    """Where everything runs: the (current) GPU if there is one, else the CPU. The one place it is picked."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def count_params(model):

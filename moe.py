@@ -10,7 +10,9 @@ them (Shazeer et al. 2017; Switch, Fedus et al. 2021; DiT-MoE, Fei et al. 2024):
                                                                      that went to expert i,
                                                                      P_i: mean router prob. of i
 
-L is minimised (= alpha) by uniform routing; it is differentiable through P only (f is a count).
+L = alpha at uniform routing (f_i = P_i = 1/E). It is not the minimum: skewed routing can go below it
+(f = (0.9, 0.1), P = (0.46, 0.54) gives 0.93 alpha), but its gradient, through P only (f is a count),
+lowers the probability of each expert in proportion to its load, which pushes toward balance.
 alpha = 0.01 and 2 shared experts are DiT-MoE's values.
 
 Decisions recorded here:
