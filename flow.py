@@ -79,7 +79,7 @@ def null_caption(text, mask):
 @torch.no_grad()
 def generate(model, encode, captions, steps=50, cfg=4.0, seed=0, shape=(3, 32, 32), device="cpu", shift=1.0):
     """Captions -> samples (B, C, H, W) at t = 0, from fixed-seed noise (same seed, same pictures)."""
-    text, mask, _ = encode(captions)
+    text, mask = encode(captions)  # (B, L, D_text), (B, L)
     null_text, null_mask = null_caption(text, mask)
     noise = torch.randn(len(captions), *shape, generator=torch.Generator().manual_seed(seed)).to(device)
     return euler(cfg_velocity(model, text, mask, null_text, null_mask, cfg), noise, steps, shift)

@@ -95,7 +95,7 @@ def fixed_batch(args, S):
         caps.append(cap)
         imgs.append(data.to_tensor(data.render(a["color"], a["shape"], a["position"], args.image_size, rng),
                                    args.image_size))
-    S["encoder"](caps)  # fill the cache
+    S.encoder(caps)  # fill the cache
     return dict(image=torch.stack(imgs), caption=caps)
 
 
@@ -108,7 +108,7 @@ def run_steps(S, args, n, get_batch, times=None):
         last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
         def mark(phase):
-            if S["dev"] == "cuda":
+            if S.dev == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
             step[phase] = step.get(phase, 0.0) + now - last[0]
@@ -131,21 +131,21 @@ def flops_per_step(S, args, batch):
 
     import train
     from moe import MoE
-    state = {k: v.state_dict() for k, v in S.items() if k in ("model", "ema", "opt", "sched")}
+    state = {k: getattr(S, k).state_dict() for k in ("model", "ema", "opt", "sched")}
     micro = [train.encode_batch(S, batch)] * args.grad_accum
     # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
     # dispatch instead (useful FLOPs, without the padding rows), on the eager model
-    impls, fwd, bad = {m: m.impl for m in S["model"].modules() if isinstance(m, MoE)}, S["fwd"], S["bad"]
+    impls, fwd, bad = {m: m.impl for m in S.model.modules() if isinstance(m, MoE)}, S.fwd, S.bad
     for m in impls:
         m.impl = "sorted"
-    S["fwd"] = S["model"] if args.compile else fwd
+    S.fwd = S.model if args.compile else fwd
     with FlopCounterMode(display=False) as fc:
         train.train_step(S, args, micro)
     for k, v in state.items():  # that step was only counted: undo it
-        S[k].load_state_dict(v)
+        getattr(S, k).load_state_dict(v)
     for m, impl in impls.items():
         m.impl = impl
-    S["step"], S["fwd"], S["bad"] = S["step"] - 1, fwd, bad
+    S.step, S.fwd, S.bad = S.step - 1, fwd, bad
     return fc.get_total_flops()
 
 
@@ -160,7 +160,7 @@ def measure(args):
     from model import count_params
     shape = [int(v) for v in args.synthetic.split(",")] if args.synthetic else None  # C, side, L, D_text
     S = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
-    dev, B = S["dev"], args.batch_size
+    dev, B = S.dev, args.batch_size
     if shape:  # random latents and text states, as precomputed shards would give them (encoders skipped)
         g = torch.Generator().manual_seed(args.seed)
         batch = dict(latent=torch.randn(B, shape[0], shape[1], shape[1], generator=g), mask=torch.ones(B, shape[2], dtype=torch.bool),
@@ -169,7 +169,7 @@ def measure(args):
         batch = fixed_batch(args, S)
     res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", threads=torch.get_num_threads())
-    res["params"], res["active_params"] = count_params(S["model"])
+    res["params"], res["active_params"] = count_params(S.model)
     if args.mode == "full":  # the real loop: loader, text encoder (cached), the step
         shards = data.resolve_shards(args.data, args.image_size)
         it = train.batches(args, S, shards)
@@ -198,16 +198,15 @@ def measure(args):
     step = [sum(ts) for ts in zip(*times.values())]
     res.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
     res.update(step_ms=1e3 * statistics.median(step),
-               img_per_s=B * args.grad_accum * S["world"] / statistics.median(step),
-               share={k: sum(v) / sum(step) for k, v in times.items()}, world=S["world"])
+               img_per_s=B * args.grad_accum * S.world / statistics.median(step),
+               share={k: sum(v) / sum(step) for k, v in times.items()}, world=S.world)
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
     res["flops_per_step"] = flops_per_step(S, args, batch)
-    res["opt_state_mb"] = sum(v.numel() * v.element_size() for st in S["opt"].state.values()
-                              for v in st.values() if torch.is_tensor(v)) / 2 ** 20  # this rank's share (ZeRO)
-    if S["world"] > 1 and S["engine"] is None:  # DDP communication = what the all-reduce adds: the same steps without it
+    res["opt_state_mb"] = train.optimizer_bytes(S.opt) / 2 ** 20  # this rank's share (ZeRO)
+    if S.world > 1 and S.engine is None:  # DDP communication = what the all-reduce adds: the same steps without it
         quiet = {}
-        with S["fwd"].no_sync():  # (replicas drift apart from here on; nothing is saved)
+        with S.fwd.no_sync():  # (replicas drift apart from here on; nothing is saved)
             run_steps(S, args, args.iters, get_batch, quiet)
         alone = statistics.median(sum(ts) for ts in zip(*quiet.values()))
         res["communication_ms"] = res["step_ms"] - 1e3 * alone
@@ -222,10 +221,10 @@ def measure(args):
         with profile(activities=acts) as prof:
             run_steps(S, args, 2, get_batch)
         res["trace"] = os.path.join(args.out, "profile", f"{args.mode}.trace.json")
-        if S["rank"] == 0:
+        if S.rank == 0:
             prof.export_chrome_trace(res["trace"])
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    if S["rank"]:  # rank 0 reports
+    if S.rank:  # rank 0 reports
         train.leave_distributed()
     with open(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -238,9 +237,9 @@ def measure(args):
         print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
               f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
     if "communication_ms" in res:
-        print(f"{S['world']} ranks: communication {res['communication_ms']:.1f} ms "
+        print(f"{S.world} ranks: communication {res['communication_ms']:.1f} ms "
               f"({100 * res['communication_share']:.1f}% of the step)")
-    if S["world"] > 1:
+    if S.world > 1:
         train.leave_distributed()
     return res
 
@@ -369,7 +368,9 @@ def suite(args):
     """Run every claim (or --claims), print a header and one markdown table per claim; also written
     to <out>/profile/suite.md. A claim that fails is reported and the others still run."""
     import torch
-    gpu = torch.cuda.is_available()
+
+    from model import device
+    gpu = device() == "cuda"
     name = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     repeats, chosen = args.repeats or (2 if gpu else 1), CLAIMS if args.claims == "all" else args.claims.split(",")

@@ -3,6 +3,7 @@
     python sample.py --ckpt out/run/ckpt.pt --prompt "a red circle in the top left" --n 8
     python sample.py --ckpt out/run/ckpt.pt --eval --steps 8     # last line: JSON accuracies
     python sample.py --ckpt out/moe/ckpt.pt --routing            # MoE: which experts, when, where
+    python sample.py --plot out/run                              # the run's curves -> out/run/loss.png
 
 `--eval` words every colour x shape x position of the built-in data with templates the model never
 saw in training (data.HELDOUT_TEMPLATES), samples them from the EMA weights, and lets the judge
@@ -51,13 +52,15 @@ import torch.nn.functional as F
 
 import data
 import flow
-from model import DiT
+from model import DiT, device
 from moe import MoE, default_impl
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Sample images from a trained MM-DiT checkpoint.")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (<out>/ckpt.pt)")
+    p.add_argument("--ckpt", default=None, help="checkpoint written by train.py (<out>/ckpt.pt)")
+    p.add_argument("--plot", default=None, metavar="RUN_FOLDER", help="only draw RUN_FOLDER/loss.png from its "
+                   "log.jsonl (loss, loss per t-quarter, learning rate, sample scores, MoE expert loads)")
     p.add_argument("--prompt", action="append", help="caption to draw (repeatable); default: a few built-in ones")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--steps", type=int, default=25, help="Euler steps from t=1 (noise) to t=0 (50 gave the same "
@@ -84,7 +87,9 @@ def get_args(argv=None):
     p.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA weights")
     p.add_argument("--batch", type=int, default=256, help="prompts per sampling batch (memory bound)")
     args = p.parse_args(argv)
-    if not os.path.exists(args.ckpt):
+    if args.plot:
+        return args
+    if not args.ckpt or not os.path.exists(args.ckpt):
         p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) or point to <out>/ckpt.pt")
     if (args.real or args.clip_model) and not args.eval:
         p.error("--real and --clip-model are scores: add --eval")
@@ -94,7 +99,7 @@ def get_args(argv=None):
 def load(path, raw=False):
     """Checkpoint -> (model in eval mode, its frozen text encoder, the training flags); the frozen
     VAE (None in pixel space) rides along as model.vae."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     ckpt = torch.load(path, map_location=dev, weights_only=True)
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)  # the dispatch that suits this device
     model.load_state_dict(ckpt["model" if raw else "ema"])
@@ -130,7 +135,7 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
     x0 = torch.stack([data.to_tensor(data.render(a["color"], a["shape"], a["position"], size, rng), size)
                       for _, a in prompts])
     x0 = x0 if model.vae is None else model.vae.encode(x0).cpu()  # latent models route latent patches
-    text, mask, _ = encoder([p for p, _ in prompts])
+    text, mask = encoder([p for p, _ in prompts])
     dev = next(model.parameters()).device
     by = {"timestep": torch.zeros(L, t_bins, E), "colour": torch.zeros(L, len(data.COLORS), E),
           "shape": torch.zeros(L, len(data.SHAPES), E), "position": torch.zeros(L, E, n * n)}
@@ -180,11 +185,6 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
 # -----------------------------------------------------------------------------------------------
 # Metrics (torchmetrics): FID and Inception Score against real shards, CLIPScore against prompts
 # -----------------------------------------------------------------------------------------------
-def as_uint8(x):
-    """(N, 3, H, W) in [-1, 1] -> uint8, the input every feature network here takes."""
-    return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-
-
 def real_images(shards, size, n, seed=0):
     """n samples (shuffled, bad ones skipped by data.ShardStream) -> (uint8 (n, 3, size, size), captions)."""
     images, captions = [], []
@@ -198,7 +198,7 @@ def real_images(shards, size, n, seed=0):
             break
     if len(images) < 2:
         raise SystemExit(f"--real {shards!r}: FID needs at least 2 real images, found {len(images)}")
-    return as_uint8(torch.stack(images)), captions
+    return data.as_uint8(torch.stack(images)), captions
 
 
 class Pick(torch.nn.Module):
@@ -242,20 +242,20 @@ def fid_is(real, fake, nets, batch=256):
     from torchmetrics.image.fid import FrechetInceptionDistance
     from torchmetrics.image.inception import InceptionScore
     from torchmetrics.image.kid import KernelInceptionDistance
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     fid = FrechetInceptionDistance(nets[0].cpu(), input_img_size=tuple(real.shape[1:])).to(dev)  # probed on the CPU
     splits = max(1, min(10, len(fake) // 100))  # the usual 10 splits, each of at least 100 images
     with warnings.catch_warnings(action="ignore"):  # IS: "keeps every feature" (MBs here), "std of one split"
         iscore = InceptionScore(nets[1], splits=splits).to(dev)
         size = max(2, min(1000, len(real) // 2, len(fake) // 2))  # half: subsets that differ, so its std means something
         kid = KernelInceptionDistance(nets[0], subset_size=size).to(dev)
-        for i in range(0, len(real), batch):
-            fid.update(real[i:i + batch].to(dev), real=True)
-            kid.update(real[i:i + batch].to(dev), real=True)
-        for i in range(0, len(fake), batch):
-            fid.update(fake[i:i + batch].to(dev), real=False)
-            kid.update(fake[i:i + batch].to(dev), real=False)
-            iscore.update(fake[i:i + batch].to(dev))
+        for images, is_real in ((real, True), (fake, False)):
+            for i in range(0, len(images), batch):
+                x = images[i:i + batch].to(dev)
+                fid.update(x, real=is_real)
+                kid.update(x, real=is_real)
+                if not is_real:
+                    iscore.update(x)
         mean, std = iscore.compute()
         kid_mean, kid_std = kid.compute()
     return dict(fid=fid.compute().item(), kid=kid_mean.item(), kid_std=kid_std.item(), inception_score=mean.item(),
@@ -294,14 +294,12 @@ def views(x, g):
     theta[:, :, 2] = torch.empty(n, 2).uniform_(-0.125, 0.125, generator=g)  # (grid units: 2 = the side)
     x = F.grid_sample(x, F.affine_grid(theta, x.shape, align_corners=False), padding_mode="border", align_corners=False)
     x = torch.where(torch.rand(n, 1, 1, 1, generator=g) < 0.5, F.avg_pool2d(x, 3, 1, 1, count_include_pad=False), x)
-    return as_uint8(x + torch.randn(x.shape, generator=g) * torch.rand(n, 1, 1, 1, generator=g) * 0.2)
+    return data.as_uint8(x + torch.randn(x.shape, generator=g) * torch.rand(n, 1, 1, 1, generator=g) * 0.2)
 
 
 def real_names(names, size):
     """The set's one picture per name, prepared as the converter prepares it -> uint8 (N, 3, size, size)."""
-    from PIL import Image
-    return as_uint8(torch.stack([data.to_tensor(Image.open(os.path.join(names["root"], p)), size)
-                                 for p in names["images"]]))
+    return data.stack_uint8([data.open_image(os.path.join(names["root"], p)) for p in names["images"]], size)
 
 
 def name_net(names, real, steps=1000, batch=64, seed=0):
@@ -408,32 +406,84 @@ def clip_score(images, captions, clip, batch=256):
     """uint8 images, their captions, load_clip() -> CLIPScore: the mean of 100 * cos(image, text), floored at 0."""
     from torchmetrics.multimodal import CLIPScore
     metric = CLIPScore(model_name_or_path=lambda: clip)  # a callable: its own loader knows a few hub ids only
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     for i in range(0, len(images), batch):
         metric.update(list(images[i:i + batch].to(dev)), captions[i:i + batch])
     return metric.compute().item()
 
 
+# -----------------------------------------------------------------------------------------------
+# A run's curves: loss.png from log.jsonl (train.py redraws it with every grid; `--plot` any time)
+# -----------------------------------------------------------------------------------------------
+def plot_run(folder):
+    """<folder>/log.jsonl -> <folder>/loss.png: the loss (and per t-quarter), the learning rate, the grids'
+    scores and, for an MoE, the least and most loaded expert of each layer, against the step.
+    -> {curve name: (steps, values)}, what was drawn."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+    path = os.path.join(folder, "log.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"no log.jsonl in {folder}: pass a run folder (train.py --out), e.g. out/run")
+    steps, scores = {}, {}
+    with open(path) as f:
+        for rec in map(json.loads, f):  # after a resume the same steps come again: the last line wins
+            if "loss" in rec:
+                steps[rec["step"]] = rec
+            elif "sample_acc" in rec or "eval" in rec:
+                scores[rec["step"]] = rec.get("sample_acc") or rec["eval"]
+    recs = [steps[s] for s in sorted(steps)]
+    x = [r["step"] for r in recs]
+    curves = {"loss": (x, [r["loss"] for r in recs]), "lr": (x, [r["lr"] for r in recs])}
+    for q in range(4):
+        curves[f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})"] = (x, [r["loss_t_bins"][q] for r in recs])  # t=0: data
+    for key in ("all", "top1", "top5"):  # the judge's "all three", or retrieval on a named-picture set
+        if any(s and key in s for s in scores.values()):
+            curves[key] = (sorted(scores), [scores[s][key] for s in sorted(scores)])
+    moe = [r for r in recs if r.get("routing")]
+    for i in range(len(moe[-1]["routing"]) if moe else 0):
+        for name, pick in (("min", min), ("max", max)):
+            curves[f"layer {i} {name} load"] = ([r["step"] for r in moe], [pick(r["routing"][i]["load"]) for r in moe])
+    nan = lambda v: float("nan") if v is None else v  # (a skipped step logs null)
+    fig, axes = plt.subplots(1, 4 if moe else 3, figsize=(16 if moe else 12, 3.4))
+    for name, (xs, ys) in curves.items():
+        panel = 0 if name.startswith("loss") else 1 if name == "lr" else 3 if "load" in name else 2
+        axes[panel].plot(xs, [nan(v) for v in ys], "k-" if name == "loss" else ".-" if panel == 2 else "-", lw=1,
+                         label=name)
+    titles = ("flow loss (log scale)", "learning rate", "sample scores", "expert load: min / max per layer")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    axes[2].set_ylim(0, 1.02)
+    fig.tight_layout()
+    data.atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
+    plt.close(fig)
+    return curves
+
+
 def main(argv=None):
     args = get_args(argv)
+    if args.plot:
+        plot_run(args.plot)
+        return print(f"{os.path.join(args.plot, 'loss.png')} drawn from its log.jsonl")
     model, encoder, targs = load(args.ckpt, args.raw)
     size = targs["image_size"]
+    beside_ckpt = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default output path
     if args.routing:
         return routing_maps(model, encoder, size, args.out or os.path.dirname(args.ckpt), args.seed)
     if args.eval:
         scores, images, captions = {}, [], []
         nets = feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
         clip = load_clip(args.clip_model) if args.clip_model else None
-
-        def uint8(ims):  # samples (PIL) -> uint8 (N, 3, H, W), like the real images
-            return as_uint8(torch.stack([data.to_tensor(im, size) for im in ims]))
-
         names = data.names_set(targs.get("data"))
         if names:  # named real pictures (python data.py emoji): retrieval, sharpness, FID/KID
             want = torch.arange(len(names["names"])).repeat_interleave(args.eval_n)
             captions = [names["heldout"].format(name=names["names"][i]) for i in want]
-            fake = uint8(sample(model, encoder, captions, args))
-            out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
+            fake = data.stack_uint8(sample(model, encoder, captions, args), size)
+            out = beside_ckpt(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
             real = real_names(names, size)
             names_grid(fake, want, real, out)
             scores.update(score_names(fake, want, names, real), n=len(want))
@@ -443,7 +493,7 @@ def main(argv=None):
             captions = [p for p, _ in prompts]
             images = sample(model, encoder, captions, args)
             acc = data.grade(images, [a for _, a in prompts])
-            out = args.out or os.path.join(os.path.dirname(args.ckpt), f"eval_{args.steps}steps.png")
+            out = beside_ckpt(f"eval_{args.steps}steps.png")
             data.save_grid(images[:len(data.heldout_prompts(1))], out, nrow=len(data.SHAPES) * len(data.POSITIONS))
             print(f"{len(prompts)} held-out prompts, {args.steps} Euler steps, cfg {args.cfg}; grid: {out}")
             for k, v in acc.items():
@@ -455,7 +505,7 @@ def main(argv=None):
         if args.real:  # FID/IS: the real captions drawn, then set against the real images
             real, captions = real_images(args.real, size, args.real_n, args.seed)
             images = sample(model, encoder, captions, args)
-            scores.update(fid_is(real, uint8(images), nets, args.batch), n_real=len(real))
+            scores.update(fid_is(real, data.stack_uint8(images, size), nets, args.batch), n_real=len(real))
             print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} "
                   f"+- {scores['inception_score_std']:.2f}: {len(real)} real images of {args.real} and as many "
                   f"samples of their captions ({args.features})")
@@ -465,14 +515,14 @@ def main(argv=None):
                     raise SystemExit("--clip-model needs captions to score: pass --real or --prompt")
                 captions = [p for p in args.prompt for _ in range(args.n)]
                 images = sample(model, encoder, captions, args)
-            scores["clip_score"] = clip_score(uint8(images), captions, clip, args.batch)
+            scores["clip_score"] = clip_score(data.stack_uint8(images, size), captions, clip, args.batch)
             print(f"CLIPScore {scores['clip_score']:.2f} over {len(images)} samples ({args.clip_model})")
         print(json.dumps(dict(scores, steps=args.steps, cfg=args.cfg)))
         return scores
     prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                               "a yellow triangle in the bottom right", "a white circle in the top right"]
     images = sample(model, encoder, [p for p in prompts for _ in range(args.n)], args)
-    out = args.out or os.path.join(os.path.dirname(args.ckpt), "samples.png")
+    out = beside_ckpt("samples.png")
     data.save_grid(images, out, nrow=args.n)
     print(f"{len(images)} samples ({len(prompts)} prompts x {args.n}, one row each) -> {out}")
 
