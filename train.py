@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import data
 import flow
 import sample
-from model import DiT, count_params
+from model import DiT, count_params, device
 from moe import balance_loss, default_impl, nudge_biases, routing_loads, routing_stats, upcycle
 
 
@@ -43,6 +44,50 @@ DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they def
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision", "bias_rate",
                            "text_encoder", "vae", "image_size")  # --resume refuses a change to these unless --override names it
 HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # for torchrun --signals-to-handle: its default lacks USR1
+
+
+# -----------------------------------------------------------------------------------------------
+# The run's state: built once by setup(), advanced by every step, saved by a checkpoint
+# -----------------------------------------------------------------------------------------------
+POSITION = ("epoch", "batch_in_epoch", "workers", "skipped_before", "skipped")  # the data position (per rank)
+
+
+@dataclass
+class Run:
+    """Everything a training run holds. The first block is built by setup(); the rest changes as it trains."""
+    dev: str                       # "cuda" (this rank's GPU) or "cpu"
+    rank: int                      # this process; rank 0 prints, logs, samples and writes the files
+    world: int                     # processes in the run
+    config: dict                   # DiT(**config): saved, so sample.py rebuilds the model without the flags
+    model: torch.nn.Module         # the weights being trained
+    ema: torch.nn.Module           # their exponential moving average: samples and evaluation use it
+    fwd: object                    # what the step calls: the model, compiled and/or DDP- or DeepSpeed-wrapped
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    gen: torch.Generator           # noise, t and caption drop: seeded alike on every rank
+    encoder: data.TextEncoder      # frozen
+    vae: object = None             # frozen data.VAE; None = the model works on pixels
+    engine: object = None          # the DeepSpeed engine (--dist deepspeed), else None
+    step: int = 0                  # optimizer steps taken
+    epoch: int = 0                 # the data position: epoch, its batches consumed, each loader worker's
+    batch_in_epoch: int = 0        # {batches, raw, skipped} (data.ShardStream), bad samples skipped in
+    workers: dict = field(default_factory=dict)  # finished epochs and in all
+    skipped_before: int = 0
+    skipped: int = 0
+    bad: torch.Tensor = None       # non-finite steps, counted on the device: (total, in a row now, longest run)
+    ckpt_step: int = None          # step of the last checkpoint this process wrote (None: none yet)
+    ds_tag: str = None             # DeepSpeed: that checkpoint's partition folder
+    shards: list = None            # the training data
+    judged: bool = False           # built-in shapes: data.judge grades samples
+    names: dict = None             # a set of named pictures (python data.py emoji): retrieval scores samples
+    log: object = None             # log.jsonl, open on rank 0
+    t_start: float = 0.0           # time.time() at start-up; t_enc / t_total: seconds in the frozen encoders
+    t_enc: float = 0.0             # vs in whole steps
+    t_total: float = 0.0
+
+    def position(self):
+        """The data position as a dict (what a checkpoint stores per rank)."""
+        return {k: getattr(self, k) for k in POSITION}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -154,9 +199,9 @@ def overrides(args):
 # Set-up
 # -----------------------------------------------------------------------------------------------
 def setup(args, shape=None):
-    """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> a dict the loop uses.
+    """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> the Run the loop uses.
     `shape` = (channels, side, text dim) of the model's inputs, where profile.py times synthetic ones."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     rank, local_rank, world = 0, 0, 1
     if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
         rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -212,26 +257,8 @@ def setup(args, shape=None):
     elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
-    return dict(dev=dev, rank=rank, world=world, engine=engine, encoder=encoder, vae=vae, config=config, model=model,
-                fwd=fwd, ema=ema, opt=opt, sched=sched, gen=gen, step=0, epoch=0, batch_in_epoch=0, workers={},
-                skipped_before=0, skipped=0, bad=torch.zeros(3, device=dev), ckpt_step=None, ds_tag=None)
-
-
-def deepspeed_engine(args, model, opt, rank):
-    """DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned over ranks, parameters
-    replicated. Our torch AdamW is passed in (no fused_adam JIT build); clipping as in the others."""
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise SystemExit("--dist deepspeed needs DeepSpeed: pip install -r requirements.txt") from e
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
-    config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-              "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
-    if rank == 0:
-        print("deepspeed config:", json.dumps(config))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    return engine
+    return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, fwd=fwd, opt=opt, sched=sched,
+               gen=gen, encoder=encoder, vae=vae, engine=engine, bad=torch.zeros(3, device=dev))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -250,62 +277,62 @@ def train_step(S, args, micro, mark=None):
     No host sync: nothing here reads a number off the device, so on a GPU the host queues the next
     step while this one runs. A step whose loss or gradient norm is not finite changes no weight,
     moment or EMA (decided on the device: fused AdamW's `found_inf`, as under torch.amp's GradScaler;
-    ZeRO skips its own update) but still takes its step number and learning rate; S["bad"] counts
+    ZeRO skips its own update) but still takes its step number and learning rate; S.bad counts
     them on the device (total, in a row now, longest run). Returns device tensors; the loop reads
     them on log steps. `mark(phase)`, if given, is called as each phase ends (profile.py times them)."""
     mark = mark or (lambda phase: None)
-    n, N, W, r, dev = micro[0][0].shape[0], len(micro), S["world"], S["rank"], S["dev"]
-    keep = torch.rand(n * N * W, generator=S["gen"], device=dev) >= args.cfg_drop  # (global batch,)
-    t_all = flow.sample_t(n * N * W, args.t_dist, S["gen"], dev, args.t_shift)
-    eps_all = torch.randn((n * N * W, *micro[0][0].shape[1:]), generator=S["gen"], device=dev)
-    if S["engine"] is None:
-        S["opt"].zero_grad(set_to_none=True)
+    n, N, W, r, dev = micro[0][0].shape[0], len(micro), S.world, S.rank, S.dev
+    keep = torch.rand(n * N * W, generator=S.gen, device=dev) >= args.cfg_drop  # (global batch,)
+    t_all = flow.sample_t(n * N * W, args.t_dist, S.gen, dev, args.t_shift)
+    eps_all = torch.randn((n * N * W, *micro[0][0].shape[1:]), generator=S.gen, device=dev)
+    if S.engine is None:
+        S.opt.zero_grad(set_to_none=True)
     loss, balance, t, per_sample = 0, 0, [], []
     loads = 0 if args.moe and args.balance == "bias" else None  # (layers, E) summed over micro-batches
     for i, (x0, text, mask) in enumerate(micro):
         mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
         text, mask = drop_captions(text, mask, keep[mine])
-        quiet = S["engine"] is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
-        with S["fwd"].no_sync() if quiet else contextlib.nullcontext():
+        quiet = S.engine is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
+        with S.fwd.no_sync() if quiet else contextlib.nullcontext():
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                loss_i, per_i = flow.flow_loss(S["fwd"], x0, text, mask, t_all[mine], eps_all[mine])
-                balance_i = balance_loss(S["model"]).to(loss_i.device)  # 0 for a dense model
+                loss_i, per_i = flow.flow_loss(S.fwd, x0, text, mask, t_all[mine], eps_all[mine])
+                balance_i = balance_loss(S.model).to(loss_i.device)  # 0 for a dense model
             if loads is not None:  # (read now: --grad-ckpt's recomputation in the backward routes again)
-                loads = loads + routing_loads(S["model"])
+                loads = loads + routing_loads(S.model)
             mark("forward")
-            if S["engine"] is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
-                S["engine"].backward(loss_i + balance_i)
+            if S.engine is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
+                S.engine.backward(loss_i + balance_i)
             else:  # DDP averages the gradients over ranks during the last backward
                 ((loss_i + balance_i) / N).backward()
             mark("backward")
-        if S["engine"] is not None:  # reduce-scatter, clip, step its partition: only at the last micro-batch
-            S["engine"].step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
+        if S.engine is not None:  # reduce-scatter, clip, step its partition: only at the last micro-batch
+            S.engine.step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
         loss, balance = loss + loss_i.detach() / N, balance + balance_i.detach() / N
         t.append(t_all[mine])
         per_sample.append(per_i.detach())
-    if S["engine"] is not None:
-        grad_norm = torch.tensor(float(S["engine"].get_global_grad_norm() or 0.0), device=dev)
+    if S.engine is not None:
+        grad_norm = torch.tensor(float(S.engine.get_global_grad_norm() or 0.0), device=dev)
     else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(S["model"].parameters(), 1.0)  # (NaN/inf pass through)
+        grad_norm = torch.nn.utils.clip_grad_norm_(S.model.parameters(), 1.0)  # (NaN/inf pass through)
     # under DDP the gradients, hence their norm, are the same on every rank: every rank decides alike
     bad = ~torch.isfinite(loss + balance) | ~torch.isfinite(grad_norm)
-    if S["engine"] is None:
-        S["opt"].found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
-        S["opt"].step()
+    if S.engine is None:
+        S.opt.found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
+        S.opt.step()
     if loads is not None:  # every rank nudges its biases by the loads of the whole global batch
         if W > 1:
             dist.all_reduce(loads)
-        nudge_biases(S["model"], loads, args.bias_rate, skip=bad)
-    S["sched"].step()
-    S["step"] += 1
-    decay = min(args.ema, (1 + S["step"]) / (10 + S["step"]))  # short runs: let EMA catch up early
+        nudge_biases(S.model, loads, args.bias_rate, skip=bad)
+    S.sched.step()
+    S.step += 1
+    decay = min(args.ema, (1 + S.step) / (10 + S.step))  # short runs: let EMA catch up early
     with torch.no_grad():  # EMA <- EMA + (1 - decay)(model - EMA), all tensors in one fused op; not on a bad step
-        ema = list(S["ema"].parameters())
-        torch._foreach_lerp_(ema, list(S["model"].parameters()), [(~bad).float() * (1 - decay)] * len(ema))
-        for be, bm in zip(S["ema"].buffers(), S["model"].buffers()):  # (--balance bias: the EMA routes alike)
+        ema = list(S.ema.parameters())
+        torch._foreach_lerp_(ema, list(S.model.parameters()), [(~bad).float() * (1 - decay)] * len(ema))
+        for be, bm in zip(S.ema.buffers(), S.model.buffers()):  # (--balance bias: the EMA routes alike)
             be.copy_(bm)
-    run = (S["bad"][1] + 1) * bad.float()
-    S["bad"] = torch.stack([S["bad"][0] + bad.float(), run, torch.maximum(S["bad"][2], run)])
+    run = (S.bad[1] + 1) * bad.float()
+    S.bad = torch.stack([S.bad[0] + bad.float(), run, torch.maximum(S.bad[2], run)])
     mark("optimizer")
     return dict(loss=loss, balance=balance, t=torch.cat(t), per_sample=torch.cat(per_sample), grad_norm=grad_norm,
                 bad=bad)
@@ -315,33 +342,33 @@ def encode_batch(S, b):
     """A loader batch -> (x0, text tokens, mask) on the device: raw images and captions go through
     the frozen VAE and text encoder; precomputed shards (`python data.py precompute`) skip both."""
     if "latent" in b:
-        return b["latent"].to(S["dev"]).float(), b["text"].to(S["dev"]).float(), b["mask"].to(S["dev"])
-    x0 = b["image"].to(S["dev"], non_blocking=True)
-    text, mask, _ = S["encoder"](b["caption"])  # cached per distinct caption
-    return (x0 if S["vae"] is None else S["vae"].encode(x0)), text, mask
+        return b["latent"].to(S.dev).float(), b["text"].to(S.dev).float(), b["mask"].to(S.dev)
+    x0 = b["image"].to(S.dev, non_blocking=True)
+    text, mask = S.encoder(b["caption"])  # cached per distinct caption
+    return (x0 if S.vae is None else S.vae.encode(x0)), text, mask
 
 
 def batches(args, S, shards):
     """Endless loader batches (dicts, see data.collate) from the saved data position, which it keeps
-    up to date: S["epoch"], S["batch_in_epoch"] and S["workers"], each loader worker's {batches, raw,
+    up to date: S.epoch, S.batch_in_epoch and S.workers, each loader worker's {batches, raw,
     skipped} (a resumed epoch passes over what they had read without decoding it: data.ShardStream).
-    S["skipped"] counts bad samples, S["skipped_before"] those of finished epochs."""
+    S.skipped counts bad samples, S.skipped_before those of finished epochs."""
     while True:
-        for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed, S["epoch"],
-                                               S["rank"], S["world"], args.workers, resume=dict(S["workers"]))):
-            if (i < S["batch_in_epoch"]) != ("consumed" in b):  # placeholders stand where consumed batches stood
-                raise RuntimeError(f"resume: epoch {S['epoch']} item {i} is not where the checkpoint put it")
-            if i < S["batch_in_epoch"]:
+        for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed, S.epoch,
+                                               S.rank, S.world, args.workers, resume=dict(S.workers))):
+            if (i < S.batch_in_epoch) != ("consumed" in b):  # placeholders stand where consumed batches stood
+                raise RuntimeError(f"resume: epoch {S.epoch} item {i} is not where the checkpoint put it")
+            if i < S.batch_in_epoch:
                 continue
-            S["workers"][b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped")}
-            S["skipped"] = S["skipped_before"] + sum(w["skipped"] for w in S["workers"].values())
-            S["batch_in_epoch"] = i + 1
+            S.workers[b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped")}
+            S.skipped = S.skipped_before + sum(w["skipped"] for w in S.workers.values())
+            S.batch_in_epoch = i + 1
             yield b
-        if S["batch_in_epoch"] == 0:  # a whole epoch without one full batch: waiting longer cannot help
-            raise SystemExit(data.no_batch_message(shards, args.batch_size, args.seed, S["epoch"], S["rank"],
-                                                   S["world"], args.workers))
-        S["skipped_before"] = S["skipped"]
-        S["epoch"], S["batch_in_epoch"], S["workers"] = S["epoch"] + 1, 0, {}
+        if S.batch_in_epoch == 0:  # a whole epoch without one full batch: waiting longer cannot help
+            raise SystemExit(data.no_batch_message(shards, args.batch_size, args.seed, S.epoch, S.rank,
+                                                   S.world, args.workers))
+        S.skipped_before = S.skipped
+        S.epoch, S.batch_in_epoch, S.workers = S.epoch + 1, 0, {}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -351,47 +378,37 @@ def save_checkpoint(S, args):
     """Every rank calls this (each rank's data position is gathered); rank 0 writes <out>/ckpt.pt and
     keeps the one before as ckpt.prev.pt. -> False where an OSError (disk full, quota, I/O) stopped
     it: a warning, nothing half-written left behind, and the next save tries again.
-    DeepSpeed (ZeRO-2 partitions the optimizer state): each rank writes its part to <out>/deepspeed/<tag>
-    first; ckpt.pt names the tag and still holds model + EMA, consolidated, for sample.py."""
-    tag, ds = (f"step{S['step']:06d}" if S["engine"] is not None else None), os.path.join(args.out, "deepspeed")
-    if tag:
-        ok = torch.ones(1, device=S["dev"])
-        try:
-            S["engine"].save_checkpoint(ds, tag=tag, save_latest=False)
-        except OSError as e:
-            print(f"warning: rank {S['rank']}: DeepSpeed partition {tag} not written ({e})", file=sys.stderr)
-            ok.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's part is on disk before ckpt.pt may name the tag
-        if not ok.item():
-            return False
-    positions = [{k: S[k] for k in ("epoch", "batch_in_epoch", "workers", "skipped_before", "skipped")}] * S["world"]
-    if S["world"] > 1:
+    DeepSpeed: each rank's optimizer partition goes to <out>/deepspeed/<tag> first (deepspeed_save)."""
+    tag = deepspeed_save(S, args) if S.engine is not None else None
+    if tag is False:
+        return False
+    positions = [S.position()] * S.world
+    if S.world > 1:
         dist.all_gather_object(positions, positions[0])
-    if S["rank"] != 0:
+    if S.rank != 0:
         return True
     for k in ("model", "ema"):  # bad steps change nothing, so this cannot happen; never write one that would
-        if not all(v.isfinite().all() for v in S[k].state_dict().values() if v.is_floating_point()):  # poison a resume
-            raise SystemExit(f"non-finite {k} weights at step {S['step']}: not saved; {args.out}/{CKPT} is untouched")
-    opt = S["opt"].state_dict() if tag is None else None  # (DeepSpeed's is in the tag folder)
-    ckpt = dict(model=S["model"].state_dict(), ema=S["ema"].state_dict(), opt=opt, deepspeed_tag=tag,
-                sched=S["sched"].state_dict(), step=S["step"], args=vars(args), config=S["config"],
-                rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S["gen"].get_state()),
-                bad=S["bad"].cpu(),  # non-finite steps: total, in a row now, longest run
+        if not all(v.isfinite().all() for v in getattr(S, k).state_dict().values() if v.is_floating_point()):  # poison a resume
+            raise SystemExit(f"non-finite {k} weights at step {S.step}: not saved; {args.out}/{CKPT} is untouched")
+    opt = S.opt.state_dict() if tag is None else None  # (DeepSpeed's is in the tag folder)
+    ckpt = dict(model=S.model.state_dict(), ema=S.ema.state_dict(), opt=opt, deepspeed_tag=tag,
+                sched=S.sched.state_dict(), step=S.step, args=vars(args), config=S.config,
+                rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=S.gen.get_state()),
+                bad=S.bad.cpu(),  # non-finite steps: total, in a row now, longest run
                 data=positions)  # one data position per rank
     keep = os.path.join(args.out, PREV)
-    if S["ckpt_step"] is None and os.path.exists(keep):  # another run's, left in this folder: never a fallback
+    if S.ckpt_step is None and os.path.exists(keep):  # another run's, left in this folder: never a fallback
         os.remove(keep)
     try:
         data.atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
-                          keep=keep if S["ckpt_step"] is not None else None)
+                          keep=keep if S.ckpt_step is not None else None)
     except OSError as e:
-        print(f"warning: checkpoint of step {S['step']} not written ({e}); training goes on and the next save "
-              f"retries; the last one written is step {S['ckpt_step']}", file=sys.stderr)
+        print(f"warning: checkpoint of step {S.step} not written ({e}); training goes on and the next save "
+              f"retries; the last one written is step {S.ckpt_step}", file=sys.stderr)
         return False
-    if tag:  # older tags go only now, and the previous checkpoint's stays, so neither file names a deleted one
-        for old in {d for d in os.listdir(ds) if d.startswith("step")} - {tag, S["ds_tag"]}:
-            shutil.rmtree(os.path.join(ds, old), ignore_errors=True)
-    S["ckpt_step"], S["ds_tag"] = S["step"], tag
+    if tag:
+        deepspeed_prune(args, keep={tag, S.ds_tag})
+    S.ckpt_step, S.ds_tag = S.step, tag
     return True
 
 
@@ -420,19 +437,19 @@ def read_checkpoint(out, dev):
 def load_checkpoint(S, args):
     """Resume: every model/optimizer/RNG/data state of the checkpoint; flags are checked first. -> (file, changed flags)."""
     picked = [None, None]  # rank 0 picks the file (so also a fallback) and every rank reads that one
-    if S["rank"] == 0:
+    if S.rank == 0:
         try:
-            name, ckpt = read_checkpoint(args.out, S["dev"])
+            name, ckpt = read_checkpoint(args.out, S.dev)
             picked[0] = name
         except SystemExit as e:
             picked[1] = str(e)
-    if S["world"] > 1:
+    if S.world > 1:
         dist.broadcast_object_list(picked, 0)
     if picked[1]:
         raise SystemExit(picked[1])
-    if S["rank"] != 0:
+    if S.rank != 0:
         name = picked[0]
-        ckpt = torch.load(os.path.join(args.out, name), map_location=S["dev"], weights_only=True)
+        ckpt = torch.load(os.path.join(args.out, name), map_location=S.dev, weights_only=True)
     was = {k: ckpt["args"].get(k, get_parser().get_default(k)) for k in TRAJECTORY}  # (flags newer than the file: default)
     changed = {k: (was[k], getattr(args, k)) for k in TRAJECTORY if was[k] != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in overrides(args)}
@@ -443,42 +460,94 @@ def load_checkpoint(S, args):
                          f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
     how = ("attn", "moe_impl")  # how the model computes, not what: free to change on resume
     was = dict(dict(balance="aux"), **ckpt["config"])  # (written before --balance existed: aux)
-    if {k: v for k, v in was.items() if k not in how} != {k: v for k, v in S["config"].items() if k not in how}:
-        raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S['config']}; "
+    if {k: v for k, v in was.items() if k not in how} != {k: v for k, v in S.config.items() if k not in how}:
+        raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {S.config}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
-    if len(ckpt["data"]) != S["world"]:  # (ZeRO's partitions need it too)
+    if len(ckpt["data"]) != S.world:  # (ZeRO's partitions need it too)
         raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['data'])} ranks; resume with as many")
     tag, was = ckpt.get("deepspeed_tag"), ckpt["args"]["dist"]
-    if (tag is None) != (S["engine"] is None):  # torch's AdamW state dict vs ZeRO's partitions
+    if (tag is None) != (S.engine is None):  # torch's AdamW state dict vs ZeRO's partitions
         raise SystemExit(f"--resume: {args.out}/{name} was written by --dist {was}, whose optimizer state "
                          f"--dist {args.dist} cannot read; resume with --dist {was}")
     for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
-        S[k].load_state_dict(ckpt[k])  # (LambdaLR's load leaves the optimizer's lr alone)
-    if tag is not None:  # weights, fp32 partition, AdamW moments and the lr the schedule had set
-        S["engine"].load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_optimizer_states=True,
-                                    load_lr_scheduler_states=False)
+        getattr(S, k).load_state_dict(ckpt[k])  # (LambdaLR's load leaves the optimizer's lr alone)
+    if tag is not None:
+        deepspeed_load(S, args, tag)
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
-    S["gen"].set_state(ckpt["rng"]["gen"])
-    S.update(ckpt["data"][S["rank"]], step=ckpt["step"], ckpt_step=ckpt["step"], ds_tag=tag)
-    S["bad"] = ckpt["bad"].to(S["dev"]) if torch.is_tensor(ckpt.get("bad")) else S["bad"]  # (older files: 0)
-    old_format = "workers" not in ckpt["data"][S["rank"]]  # an older train.py's: its epoch cannot be replayed
-    if old_format and S["rank"] == 0:
+    S.gen.set_state(ckpt["rng"]["gen"])
+    for k, v in ckpt["data"][S.rank].items():
+        setattr(S, k, v)
+    S.step = S.ckpt_step = ckpt["step"]
+    S.ds_tag = tag
+    S.bad = ckpt["bad"].to(S.dev) if torch.is_tensor(ckpt.get("bad")) else S.bad  # (older files: 0)
+    old_format = "workers" not in ckpt["data"][S.rank]  # an older train.py's: its epoch cannot be replayed
+    if old_format and S.rank == 0:
         print(f"warning: {args.out}/{name} has no per-worker data position (older train.py): next epoch", file=sys.stderr)
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
-        S["sched"].base_lrs = [args.lr] * len(S["sched"].base_lrs)
-        for g in S["opt"].param_groups:
-            g["lr"] = args.lr * S["sched"].lr_lambdas[0](S["sched"].last_epoch)
+        S.sched.base_lrs = [args.lr] * len(S.sched.base_lrs)
+        for g in S.opt.param_groups:
+            g["lr"] = args.lr * S.sched.lr_lambdas[0](S.sched.last_epoch)
     if old_format or changed.keys() & set(DATA_FLAGS):  # the saved position means nothing in another stream
-        S.update(epoch=S["epoch"] + 1, batch_in_epoch=0, workers={}, skipped_before=S["skipped"])
+        S.epoch, S.batch_in_epoch, S.workers, S.skipped_before = S.epoch + 1, 0, {}, S.skipped
     return name, changed
 
 
+# -----------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-2 (--dist deepspeed): what differs from DDP, apart from the step's engine.backward/step
+# -----------------------------------------------------------------------------------------------
+def deepspeed_engine(args, model, opt, rank):
+    """DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned over ranks, parameters
+    replicated. Our torch AdamW is passed in (no fused_adam JIT build); clipping as in the others."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise SystemExit("--dist deepspeed needs DeepSpeed: pip install -r requirements.txt") from e
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
+    config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
+    if rank == 0:
+        print("deepspeed config:", json.dumps(config))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def deepspeed_save(S, args):
+    """Every rank writes its optimizer partition to <out>/deepspeed/<tag>; ckpt.pt may name the tag only
+    once all are on disk. -> the tag, or False where any rank could not write (an OSError: a warning)."""
+    tag, ok = f"step{S.step:06d}", torch.ones(1, device=S.dev)
+    try:
+        S.engine.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
+    except OSError as e:
+        print(f"warning: rank {S.rank}: DeepSpeed partition {tag} not written ({e})", file=sys.stderr)
+        ok.zero_()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return tag if ok.item() else False
+
+
+def deepspeed_prune(args, keep):
+    """Delete older partition folders, only after ckpt.pt names the new one: the previous checkpoint's
+    stays, so neither ckpt.pt nor ckpt.prev.pt ever names a deleted folder."""
+    ds = os.path.join(args.out, "deepspeed")
+    for old in {d for d in os.listdir(ds) if d.startswith("step")} - keep:
+        shutil.rmtree(os.path.join(ds, old), ignore_errors=True)
+
+
+def deepspeed_load(S, args, tag):
+    """Weights, the fp32 partition, AdamW moments and the lr the schedule had set, from <out>/deepspeed/<tag>."""
+    S.engine.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_optimizer_states=True,
+                             load_lr_scheduler_states=False)
+
+
+# -----------------------------------------------------------------------------------------------
+# Samples during training: grids and their scores
+# -----------------------------------------------------------------------------------------------
 def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
     """EMA samples of every held-out prompt, n_each times (fixed noise) -> the judge's accuracy on them
     (built-in data), or the retrieval scores (a set of named pictures, `python data.py emoji`), else None;
     a PNG grid: the first of each, one row per colour, or real pictures above generated ones."""
-    names, c = S["names"], S["config"]
+    names, c = S.names, S.config
     if names:  # every name in its held-out wording
         want = torch.arange(len(names["names"])).repeat_interleave(n_each)
         prompts = [(names["heldout"].format(name=names["names"][i]), None) for i in want]
@@ -486,23 +555,31 @@ def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
         prompts = data.heldout_prompts(n_each)
     chunks = []
     for i in range(0, len(prompts), 256):  # in batches of 256 with noise from seed + i, as sample.py --eval draws
-        x = flow.generate(S["ema"], S["encoder"], [p for p, _ in prompts[i:i + 256]], args.sample_steps, args.cfg,
-                          seed=seed + i, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S["dev"],
+        x = flow.generate(S.ema, S.encoder, [p for p, _ in prompts[i:i + 256]], args.sample_steps, args.cfg,
+                          seed=seed + i, shape=(c["in_channels"], c["image_size"], c["image_size"]), device=S.dev,
                           shift=args.t_shift)
-        chunks.append((x if S["vae"] is None else S["vae"].decode(x)).cpu())
+        chunks.append((x if S.vae is None else S.vae.decode(x)).cpu())
     x = torch.cat(chunks)
     images = None if names else [data.to_pil(im) for im in x]
     real = sample.real_names(names, args.image_size) if names else None  # the set's pictures, read once
     try:
         if names:
-            sample.names_grid(sample.as_uint8(x), want, real, path)
+            sample.names_grid(data.as_uint8(x), want, real, path)
         else:
             data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {path} not written ({e}); training goes on", file=sys.stderr)
     if names:
-        return sample.score_names(sample.as_uint8(x), want, names, real, fid)
-    return data.grade(images, [a for _, a in prompts]) if S["judged"] else None
+        return sample.score_names(data.as_uint8(x), want, names, real, fid)
+    return data.grade(images, [a for _, a in prompts]) if S.judged else None
+
+
+def redraw_curves(args):
+    """<out>/loss.png from log.jsonl (sample.plot_run), next to every grid: people read curves, not JSON."""
+    try:
+        sample.plot_run(args.out)
+    except OSError as e:  # a full disk must not end a training run over a picture
+        print(f"warning: {args.out}/loss.png not written ({e}); training goes on", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -547,16 +624,20 @@ class StopSignals:
 
 
 # -----------------------------------------------------------------------------------------------
-# The loop
+# The run, in reading order: main() is its outline
 # -----------------------------------------------------------------------------------------------
 def main(argv=None):
+    """flags -> start-up -> the loop -> a checkpoint and exit on a stop signal, else the final evaluation."""
     args = get_args(argv)
     signals = StopSignals()  # from here on a stop signal ends the process cleanly (see StopSignals)
     try:
-        S, log = start(args)
-        S["signals"] = signals
-        stopped = train_loop(args, S, log, signals)
-        return finish(args, S, log, signals, stopped)
+        S = start(args)                                    # run folder, set-up, resume, the banner
+        stopped = train_loop(args, S, signals)             # steps, log lines, sample grids, checkpoints
+        if stopped:
+            code = checkpoint_and_stop(args, S, signals)   # a stop signal: one more checkpoint, exit 0
+        else:
+            code = final_evaluation(args, S, signals)      # rank 0: every held-out prompt, scored
+        return end(args, S, code)
     except Interrupted as e:  # start-up, final samples, or a second signal: leave now, nothing half-written
         print(f"caught {e}: exiting at once; the last checkpoint written stands", file=sys.stderr, flush=True)
         if dist.is_initialized():
@@ -567,143 +648,150 @@ def main(argv=None):
 
 
 def start(args):
-    """Run folder, data check, set-up, resume or upcycle, args.json, the banner -> (state, log file)."""
+    """Run folder, data check, set-up, resume or args.json, log.jsonl, the banner -> the Run."""
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
-    S = dict(shards=data.resolve_shards(args.data, args.image_size))
-    pre = data.precomputed_meta(os.path.dirname(S["shards"][0]))  # written by `python data.py precompute`?
+    shards = data.resolve_shards(args.data, args.image_size)
+    pre = data.precomputed_meta(os.path.dirname(shards[0]))  # written by `python data.py precompute`?
     if pre and [pre[k] for k in ("vae", "text_encoder", "image_size")] != [args.vae, args.text_encoder, args.image_size]:
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
-    S.update(setup(args))
-    S["judged"] = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
-    S["names"] = None if pre else data.names_set(args.data)  # a set of named pictures: retrieval scores
-    S["t_start"] = time.time()
-    master = S["rank"] == 0  # only rank 0 prints, logs, samples and writes files
-    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
+    S = setup(args)
+    S.shards, S.t_start = shards, time.time()
+    S.judged = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
+    S.names = None if pre else data.names_set(args.data)  # a set of named pictures: retrieval scores
+    master = S.rank == 0  # only rank 0 prints, logs, samples and writes files
+    S.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(S, args)
         if master:
-            print(f"resumed from {args.out}/{name} at step {S['step']}" +
+            print(f"resumed from {args.out}/{name} at step {S.step}" +
                   "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
-            write_log(log, dict(resume=dict(step=S["step"], checkpoint=name, changed=changed)))
+            write_log(S.log, dict(resume=dict(step=S.step, checkpoint=name, changed=changed)))
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         with open(os.path.join(args.out, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=1)
-    total, active = count_params(S["model"])
+    total, active = count_params(S.model)
+    batch = S.world * args.grad_accum * args.batch_size
     if master:
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
-              f"{args.text_encoder} (dim {S['encoder'].dim}, frozen) | vae {args.vae} | {len(S['shards'])} "
-              f"{'precomputed ' if pre else ''}shards | device {S['dev']} {args.precision}"
-              + (f" | {S['world']} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
-                 f"{args.batch_size} = global batch {S['world'] * args.grad_accum * args.batch_size}"
-                 if S["world"] * args.grad_accum > 1 else ""))
-    return S, log
+              f"{args.text_encoder} (dim {S.encoder.dim}, frozen) | vae {args.vae} | {len(shards)} "
+              f"{'precomputed ' if pre else ''}shards | device {S.dev} {args.precision}"
+              + (f" | {S.world} ranks x {args.grad_accum} micro-batches x {args.batch_size} = global batch {batch}"
+                 if batch > args.batch_size else ""))
+    return S
 
 
-def train_loop(args, S, log, signals):
+def train_loop(args, S, signals):
     """batch -> encode -> step -> log / samples / checkpoint, until --steps, a stop signal (-> True: this
     or another rank was sent one) or too many bad steps."""
     from tqdm import tqdm
-    master = S["rank"] == 0
-    bar = tqdm(total=args.steps, initial=S["step"], desc="train", dynamic_ncols=True, disable=not master)
-    t_enc = t_total = 0.0  # time in the frozen encoders (VAE + text) vs the whole step
+    master = S.rank == 0
+    bar = tqdm(total=args.steps, initial=S.step, desc="train", dynamic_ncols=True, disable=not master)
     n_seen, t_window = 0, time.time()
-    stream, stopped = batches(args, S, S["shards"]), False
+    stream, stopped = batches(args, S, S.shards), False
     try:
-        signals.defer = S["world"] > 1  # one process: a signal while it waits for data stops it at once
-        b = first_batch(S, stream) if S["step"] < args.steps else None
+        signals.defer = S.world > 1  # one process: a signal while it waits for data stops it at once
+        b = first_batch(S, stream) if S.step < args.steps else None
         while b is not None:
             signals.defer = True  # from here the step finishes before a signal is acted on
             t0 = time.perf_counter()
             micro = [encode_batch(S, b)] + [encode_batch(S, next(stream)) for _ in range(args.grad_accum - 1)]
             t1 = time.perf_counter()
             st = train_step(S, args, micro)
-            t_enc, t_total = t_enc + t1 - t0, t_total + time.perf_counter() - t0
-            n_seen += sum(x0.shape[0] for x0, _, _ in micro) * S["world"]
-            if S["step"] % args.log_every == 0 or S["step"] == args.steps:  # the only steps that read the device
-                stopped = check(S, args, st, log, signals, n_seen / (time.time() - t_window), t_enc / t_total, bar)
+            S.t_enc, S.t_total = S.t_enc + t1 - t0, S.t_total + time.perf_counter() - t0
+            n_seen += sum(x0.shape[0] for x0, _, _ in micro) * S.world
+            if S.step % args.log_every == 0 or S.step == args.steps:  # the only steps that read the device
+                stopped = log_step(S, args, st, signals, n_seen / (time.time() - t_window), bar)
                 n_seen, t_window = 0, time.time()
-            elif S["world"] == 1:  # (one process needs no all-reduce to know it was signalled)
+            elif S.world == 1:  # (one process needs no all-reduce to know it was signalled)
                 stopped = bool(signals.caught)
             bar.update(1)
-            if master and args.sample_every and S["step"] % args.sample_every == 0 and S["step"] < args.steps:
-                acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-                write_log(log, dict(step=S["step"], sample_acc=acc, minutes=(time.time() - S["t_start"]) / 60))
-            if S["step"] % args.ckpt_every == 0 or S["step"] == args.steps:
+            if master and args.sample_every and S.step % args.sample_every == 0 and S.step < args.steps:
+                acc = sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S.step:06d}.png"))
+                write_log(S.log, dict(step=S.step, sample_acc=acc, minutes=(time.time() - S.t_start) / 60))
+                redraw_curves(args)
+            if S.step % args.ckpt_every == 0 or S.step == args.steps:
                 save_checkpoint(S, args)
-            if S["step"] >= args.steps or stopped:  # before the next batch is fetched, so the saved
-                break                               # data position is exact
-            signals.defer = S["world"] > 1
+            if S.step >= args.steps or stopped:  # before the next batch is fetched, so the saved
+                break                             # data position is exact
+            signals.defer = S.world > 1
             b = next(stream)
     except Interrupted:
-        if signals.defer or S["world"] > 1:  # (defer set: it was a second signal)
+        if signals.defer or S.world > 1:  # (defer set: it was a second signal)
             raise
         stopped = True  # one process, waiting for data: the last step is complete, so it checkpoints
     bar.close()
-    S["t_enc"], S["t_total"] = t_enc, t_total
     return stopped
 
 
-def check(S, args, st, log, signals, img_per_s, encoder_share, bar):
+def log_step(S, args, st, signals, img_per_s, bar):
     """A log step: one all-reduce gives every rank the global loss and whether any rank was signalled;
     the log line; too many non-finite steps in a row stop every rank. -> True: stop now."""
-    flags = torch.stack([st["loss"].float(), torch.full((), float(bool(signals.caught)), device=S["dev"])])
-    if S["world"] > 1:
+    flags = torch.stack([st["loss"].float(), torch.full((), float(bool(signals.caught)), device=S.dev)])
+    if S.world > 1:
         dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
     loss_sum, stop = flags.tolist()
-    total, in_a_row, longest = (int(v) for v in S["bad"].tolist())  # the same on every rank (see train_step)
-    if S["rank"] == 0:  # (only rank 0 logs: the other ranks read nothing more)
-        rec = dict(step=S["step"], loss=loss_sum / S["world"], loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
-                   lr=S["sched"].get_last_lr()[0], grad_norm=st["grad_norm"].item(), img_per_s=img_per_s,
-                   encoder_share=encoder_share, skipped=S["skipped"], epoch=S["epoch"], bad_steps=total)
+    total, in_a_row, longest = (int(v) for v in S.bad.tolist())  # the same on every rank (see train_step)
+    if S.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
+        rec = dict(step=S.step, loss=loss_sum / S.world, loss_t_bins=flow.loss_per_bin(st["t"], st["per_sample"]),
+                   lr=S.sched.get_last_lr()[0], grad_norm=st["grad_norm"].item(), img_per_s=img_per_s,
+                   encoder_share=S.t_enc / max(S.t_total, 1e-9), skipped=S.skipped, epoch=S.epoch, bad_steps=total)
         if in_a_row:  # this step's update was skipped
             rec["bad_step"] = True
         if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-            rec.update(balance_loss=st["balance"].item(), routing=routing_stats(S["model"]))
-        write_log(log, rec)
+            rec.update(balance_loss=st["balance"].item(), routing=routing_stats(S.model))
+        write_log(S.log, rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
-        fail(S, f"stopping at step {S['step']}: {longest} steps in a row had a non-finite loss or gradient norm and "
-                f"were skipped. The last checkpoint is {args.out}/{CKPT} at step {S['ckpt_step']} (a skipped step "
-                f"changes no weight): check the data, or resume from it with a lower --lr (--override lr)", log)
+        fail(S, f"stopping at step {S.step}: {longest} steps in a row had a non-finite loss or gradient norm and "
+                f"were skipped. The last checkpoint is {args.out}/{CKPT} at step {S.ckpt_step} (a skipped step "
+                f"changes no weight): check the data, or resume from it with a lower --lr (--override lr)")
     return stop > 0
 
 
-def finish(args, S, log, signals, stopped):
-    """After the loop: on a signal, one checkpoint and exit; else the final samples and evaluation."""
-    master, code = S["rank"] == 0, 0
-    if stopped:
-        name = signal.Signals(signals.caught[0]).name if signals.caught else "a signal sent to another rank"
-        print(f"rank {S['rank']}: caught {name}, stopping after step {S['step']}", flush=True)
-        signals.defer = True  # (a second signal still ends it at once)
-        if save_checkpoint(S, args):
-            if master:
-                print(f"caught {name}: checkpoint written at step {S['step']}; continue with --resume (or --auto-resume)")
+def checkpoint_and_stop(args, S, signals):
+    """A stop signal reached this or another rank: every rank writes one checkpoint. -> exit status."""
+    name = signal.Signals(signals.caught[0]).name if signals.caught else "a signal sent to another rank"
+    print(f"rank {S.rank}: caught {name}, stopping after step {S.step}", flush=True)
+    signals.defer = True  # (a second signal still ends it at once)
+    if not save_checkpoint(S, args):
+        return 1
+    if S.rank == 0:
+        print(f"caught {name}: checkpoint written at step {S.step}; continue with --resume (or --auto-resume)")
+    return 0
+
+
+def final_evaluation(args, S, signals):
+    """Rank 0, after the last checkpoint: a last grid, then every held-out prompt (built-in data) or every
+    name (a named-picture set) --eval-n times in wording never trained on, scored. -> exit status."""
+    if S.rank != 0:
+        return 0
+    if S.ckpt_step != S.step:  # the final save failed (its warning says why)
+        print(f"error: the checkpoint of the final step {S.step} could not be written; the last one on disk is "
+              f"step {S.ckpt_step}", file=sys.stderr)
+        return 1
+    signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
+    print(f"frozen encoders' share of step time: {100 * S.t_enc / max(S.t_total, 1e-9):.2f}% | "
+          f"skipped samples: {S.skipped} | skipped non-finite steps: {int(S.bad[0])}")
+    sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S.step:06d}.png"))
+    if args.eval_n and not (S.judged or S.names):
+        print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
+    elif args.eval_n:  # noise from --seed
+        acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed, fid=True)
+        write_log(S.log, dict(step=S.step, eval=acc, minutes=(time.time() - S.t_start) / 60))
+        if S.names:
+            sample.print_names(acc, args.eval_n * len(S.names["names"]), f"{args.sample_steps} steps, cfg {args.cfg}")
         else:
-            code = 1
-    elif master and S["ckpt_step"] != S["step"]:  # the final save failed (its warning says why): say so, exit 1
-        print(f"error: the checkpoint of the final step {S['step']} could not be written; the last one on disk is "
-              f"step {S['ckpt_step']}", file=sys.stderr)
-        code = 1
-    elif master:
-        signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
-        t_enc, t_total = S["t_enc"], S["t_total"]
-        print(f"frozen encoders' share of step time: {100 * t_enc / max(t_total, 1e-9):.2f}% | "
-              f"skipped samples: {S['skipped']} | skipped non-finite steps: {int(S['bad'][0])}")
-        sample_grid(S, args, os.path.join(args.out, "samples", f"step_{S['step']:06d}.png"))
-        if args.eval_n and S["names"]:  # every name eval_n times in its held-out wording, noise from --seed
-            acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed, fid=True)
-            write_log(log, dict(step=S["step"], eval=acc, minutes=(time.time() - S["t_start"]) / 60))
-            sample.print_names(acc, args.eval_n * len(S["names"]["names"]), f"{args.sample_steps} steps, cfg {args.cfg}")
-        elif args.eval_n and not S["judged"]:
-            print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
-        elif args.eval_n:  # the final grade: every held-out prompt eval_n times, noise from --seed
-            acc = sample_grid(S, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed)
-            write_log(log, dict(step=S["step"], eval=acc))
             print(f"caption accuracy of EMA samples ({args.eval_n * len(data.heldout_prompts(1))} held-out prompts, "
                   f"{args.sample_steps} steps, cfg {args.cfg}): " + " ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()))
-    if log:
-        log.close()
+    redraw_curves(args)  # with the final scores
+    return 0
+
+
+def end(args, S, code):
+    """Close the log; under torchrun check the replicas agree and leave the process group. -> S (tests)."""
+    if S.log:
+        S.log.close()
     if args.dist != "none":
         finish_distributed(S, code)  # does not return
     if code:
@@ -719,8 +807,8 @@ def first_batch(S, stream):
     except (SystemExit, Exception) as e:  # batches() exits on an epoch without a batch
         b, why = None, str(e)
     whys = [why]
-    if S["world"] > 1:
-        whys = [None] * S["world"]
+    if S.world > 1:
+        whys = [None] * S.world
         dist.all_gather_object(whys, why)
     if any(whys):
         fail(S, "no training batch: " + "\n".join(dict.fromkeys(w for w in whys if w)))
@@ -740,30 +828,34 @@ def write_log(log, rec):
         log.flush()
 
 
-def fail(S, msg, log=None):
+def fail(S, msg):
     """Every rank calls this at the same point: the message, then exit status 1 on every rank."""
-    if log:
-        log.close()
-    if S["world"] == 1:
+    if S.log:
+        S.log.close()
+    if S.world == 1:
         raise SystemExit(msg)
-    if S["rank"] == 0:
+    if S.rank == 0:
         print(msg, file=sys.stderr, flush=True)
     leave_distributed(1)
 
 
 def finish_distributed(S, code=0):
     """Check that the replicas agree, then leave cleanly."""
-    flat = torch.cat([p.detach().flatten() for p in S["model"].parameters()])
+    flat = torch.cat([p.detach().flatten() for p in S.model.parameters()])
     ref = flat.clone()
     dist.broadcast(ref, 0)
-    same, opt_bytes = [None] * S["world"], [None] * S["world"]
+    same, opt_bytes = [None] * S.world, [None] * S.world
     dist.all_gather_object(same, torch.equal(flat, ref))
-    mine = sum(v.numel() * v.element_size() for st in S["opt"].state.values() for v in st.values() if torch.is_tensor(v))
-    dist.all_gather_object(opt_bytes, mine)  # ZeRO-2: each rank holds only its partition
-    if S["rank"] == 0:  # rank 0 has written the checkpoint; use sample.py on it
-        print(f"parameters identical on all {S['world']} ranks: {all(same)}")
+    dist.all_gather_object(opt_bytes, optimizer_bytes(S.opt))  # ZeRO-2: each rank holds only its partition
+    if S.rank == 0:  # rank 0 has written the checkpoint; use sample.py on it
+        print(f"parameters identical on all {S.world} ranks: {all(same)}")
         print(f"optimizer state bytes per rank: {opt_bytes}")
     leave_distributed(code)
+
+
+def optimizer_bytes(opt):
+    """Bytes of optimizer state this process holds (AdamW: two moments per parameter; ZeRO-2: its partition)."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
 
 
 def leave_distributed(code=0):
