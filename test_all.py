@@ -251,9 +251,9 @@ def test_each_shard_goes_to_one_worker_of_one_rank_and_train_counts_bad_samples_
         for b in data.make_loader(shards, 1, 16, 0, 0, rank=rank, world=2, workers=2):
             seen.setdefault((rank, b["worker"]), set()).add(b["caption"][0].split("-")[0])
     assert len(seen) == 4 and sum(len(v) for v in seen.values()) == 6  # 4 readers, disjoint shard sets
-    with pytest.warns(UserWarning):  # one process, 2 loader workers, batch 1: an epoch is 27 steps
-        train.main(TINY + ["--data", str(tmp_path), "--image-size", "16", "--batch-size", "1", "--workers", "2",
-                           "--steps", "54", "--out", str(tmp_path / "run")])
+    # one process, 2 loader workers (each warns in its own process), batch 1: an epoch is 27 steps
+    train.main(TINY + ["--data", str(tmp_path), "--image-size", "16", "--batch-size", "1", "--workers", "2",
+                       "--steps", "54", "--out", str(tmp_path / "run")])
     log = {r["step"]: r for r in map(json.loads, open(tmp_path / "run" / "log.jsonl")) if "loss" in r}
     assert (log[27]["epoch"], log[27]["skipped"]) == (0, 3) and (log[54]["epoch"], log[54]["skipped"]) == (1, 6)
 
@@ -323,10 +323,12 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     def loss(text, mask, time=lambda t: t):  # the flow loss of the EMA model, fed `time(t)` for t
         return flow.flow_loss(lambda z, t, c, m: model(z, time(t), c, m), b["image"], text, mask, t, eps)[0].item()
     right = loss(text, mask)
-    null, wrong_t = loss(*flow.null_caption(text, mask)), loss(text, mask, lambda t: (t + 0.5) % 1)
-    print(f"loss {right:.4f}, without the caption {null:.4f}, at (t + 0.5) mod 1 {wrong_t:.4f}")
-    assert right < 0.97 * null, "the caption must change the prediction for the better"
-    assert right < 0.97 * wrong_t, "so must the time"  # (a model that ignores either would score the same)
+    null, other = loss(*flow.null_caption(text, mask)), loss(text.roll(1, 0), mask.roll(1, 0))
+    wrong_t = loss(text, mask, lambda t: (t + 0.5) % 1)
+    print(f"loss {right:.4f}; without the caption {null:.4f}, with another image's {other:.4f}, at t + 0.5 {wrong_t:.4f}")
+    # a model that ignored what the caption says, or the time, would score (about) the same
+    assert right < 0.97 * null and right < 0.97 * other, "the caption must change the prediction for the better"
+    assert right < 0.97 * wrong_t, "so must the time"
 
 
 def crash_then_resume(monkeypatch, argv, crash_at):
@@ -860,25 +862,25 @@ def load_profile_py():
 
 def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkeypatch):
     import time
-    real_batches, real_encode = train.batches, train.encode_batch
+    real_batches = train.batches
 
     def slow_batches(*a):  # a loader that takes 30 ms per batch
         for b in real_batches(*a):
             time.sleep(0.03)
             yield b
 
-    def slow_encode(*a):  # frozen encoders that take 60 ms
+    def slow_encode(S, b):  # frozen encoders that take 60 ms (and return fixed caption states)
         time.sleep(0.06)
-        return real_encode(*a)
+        return b["image"], torch.ones(len(b["caption"]), 5, 384), torch.ones(len(b["caption"]), 5, dtype=torch.bool)
     monkeypatch.setattr(train, "batches", slow_batches)
     monkeypatch.setattr(train, "encode_batch", slow_encode)
     prof = load_profile_py()
     res = prof.measure(prof.get_args(["full", "--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2",
                                       "--batch-size", "8", "--workers", "0", "--iters", "3", "--warmup-iters", "1",
                                       "--out", str(tmp_path)]))
-    assert 30 <= res["data_wait_ms"] < 55 and 60 <= res["encoders_ms"] < 85, res
-    assert all(res[f"{p}_ms"] < 25 for p in ("forward", "backward", "optimizer")), res
-    assert res["share"]["encoders"] > 0.4 and math.isclose(sum(res["share"].values()), 1)
+    assert 30 <= res["data_wait_ms"] < 90 and 60 <= res["encoders_ms"] < 150, res
+    assert all(res[f"{p}_ms"] < 30 for p in ("forward", "backward", "optimizer")), {k: v for k, v in res.items() if "_ms" in k}
+    assert res["share"]["encoders"] > res["share"]["data_wait"] > res["share"]["forward"]
 
 
 def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
@@ -1229,7 +1231,10 @@ def make_tiny_clip(folder):
                                       bos_token_id=0, eos_token_id=1, pad_token_id=1),  # pooling finds *this* EOS
                      vision_config=dict(small, image_size=32, patch_size=8), projection_dim=16)
     torch.manual_seed(0)
-    CLIPModel(cfg).save_pretrained(folder)
+    clip = CLIPModel(cfg)
+    with torch.no_grad():  # these random weights give every (image, text) pair a negative cosine, which CLIPScore
+        clip.visual_projection.weight.neg_()  # floors at 0 whatever the pairing: flipped, they are all positive
+    clip.save_pretrained(folder)
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(folder)
     return str(folder)
@@ -1288,7 +1293,8 @@ def test_tiny_clip_gives_the_clip_score_by_hand_and_loads_as_a_text_encoder(tmp_
         i = model.get_image_features(pixel_values=x["pixel_values"]).pooler_output
         t = model.get_text_features(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).pooler_output
     hand = (100 * torch.cosine_similarity(i, t)).clamp(min=0).mean().item()
-    assert math.isclose(score, hand, rel_tol=1e-4, abs_tol=1e-4), (score, hand)
+    assert hand > 1 and math.isclose(score, hand, rel_tol=1e-4), (score, hand)
+    assert not math.isclose(sample.clip_score(images, captions[::-1], sample.load_clip(folder)), hand, rel_tol=1e-3)
     tok, text = AutoTokenizer.from_pretrained(folder), CLIPTextModel.from_pretrained(folder)
     t = tok(["a red circle in the top left"], padding="max_length", max_length=77, return_tensors="pt")
     out = text(**t)

@@ -1,8 +1,10 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
-Reads in execution order: flags -> device -> data, frozen text encoder, model, EMA, optimiser,
-schedule -> (resume) -> the loop (batch -> encode captions -> drop 10% of them -> flow loss ->
-AdamW step -> EMA) with logging, sample grids and atomic checkpoints -> final judged accuracy.
+Read main() at the bottom first: it is the outline of a run, start() -> train_loop() -> checkpoint_and_stop()
+on a stop signal, else final_evaluation() -> end(). The sections above it come in the order a run uses
+them: the run's state (one Run dataclass) -> flags -> set-up (device, encoders, model, EMA, AdamW, warm-up
++ cosine) -> one training step (drop 10% of the captions -> flow loss -> AdamW -> EMA) -> checkpoints ->
+DeepSpeed's differences -> sample grids -> stop signals. A run folder gets log.jsonl and loss.png, its curves.
 
 Distributed runs are the same file under torchrun (`--dist ddp` or `--dist deepspeed`), keyed off
 the RANK variable torchrun sets, so plain `python train.py` needs no launcher. Everything lives in
