@@ -430,7 +430,7 @@ def plot_run(folder):
         for rec in map(json.loads, f):  # after a resume the same steps come again: the last line wins
             if "loss" in rec:
                 steps[rec["step"]] = rec
-            elif "sample_acc" in rec or "eval" in rec:
+            elif rec.get("sample_acc") or rec.get("eval"):  # (None where no judge scores the data)
                 scores[rec["step"]] = rec.get("sample_acc") or rec["eval"]
     recs = [steps[s] for s in sorted(steps)]
     x = [r["step"] for r in recs]

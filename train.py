@@ -678,8 +678,8 @@ def start(args):
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
               f"{args.text_encoder} (dim {S.encoder.dim}, frozen) | vae {args.vae} | {len(shards)} "
               f"{'precomputed ' if pre else ''}shards | device {S.dev} {args.precision}"
-              + (f" | {S.world} ranks x {args.grad_accum} micro-batches x {args.batch_size} = global batch {batch}"
-                 if batch > args.batch_size else ""))
+              + (f" | {S.world} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
+                 f"{args.batch_size} = global batch {batch}" if batch > args.batch_size else ""))
     return S
 
 
