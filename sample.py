@@ -5,32 +5,26 @@
     python sample.py --ckpt out/moe/ckpt.pt --routing            # MoE: which experts, when, where
     python sample.py --plot out/run                              # the run's curves -> out/run/loss.png
 
-`--eval` words every colour x shape x position of the built-in data with templates the model never
-saw in training (data.HELDOUT_TEMPLATES), samples them from the EMA weights, and lets the judge
-(data.judge) name the colour, shape and position of each picture. Checkpoints load with
-weights_only=True: they hold tensors and plain Python values only, so loading runs no pickled code.
+`--eval` on the built-in data samples (EMA weights) every colour x shape x position in wordings never seen in
+training (data.HELDOUT_TEMPLATES); the judge (data.judge) names what each picture shows. Checkpoints load
+with weights_only=True: tensors and plain Python values only, so loading runs no pickled code.
 
-A set of named real pictures (`python data.py emoji OUT`, which writes OUT/names.json) is scored without
-any download: every name is drawn in a wording never used in training, and a small CNN trained here on
-the real pictures alone (NameNet, cached as OUT/namenet<size>.pt) gives its features to
-  * retrieval: is the real picture nearest to a sample (cosine of features) the one its caption names?
-    top-1 / top-5 among all names, printed with chance and with the same score for shifted, blurred,
-    noised views of the real pictures (the ceiling); `--cfg 0` (no caption at all) gives the floor;
-  * FID, KID and IS against the real pictures in those features: comparable between runs on one set,
-    not with published (Inception) numbers;
-  * sharpness: mean |Laplacian| of the samples / that of the real pictures (1 = as smooth as the data;
-    speckle and noise push it above 1, blur below).
+A set of named real pictures (`python data.py emoji OUT`, which writes OUT/names.json) is scored without any
+download: every name is drawn in an unseen wording, and a small CNN trained here on the real pictures alone
+(NameNet, cached as OUT/namenet<size>.pt) gives its features to
+  * retrieval top-1/top-5: is the real picture nearest a sample (cosine) the one its caption names? Printed
+    with chance and the ceiling (shifted, blurred, noised views of the real pictures); `--cfg 0` is the floor;
+  * FID, KID and IS in those features: comparable between runs on one set, not with published (Inception) ones;
+  * sharpness: mean |Laplacian| of the samples / of the real pictures (1 = as smooth as the data; noise > 1, blur < 1).
 
 Metrics for any data (torchmetrics), added to the same JSON line (the judge stays for built-in data):
     python sample.py --ckpt ... --eval --real shards/ --features inception.pt --clip-model openai/clip-vit-base-patch32
-  * `--real`: FID and Inception Score of samples drawn from the captions of real shards, against
-    their images. The feature network is pluggable: `--features net.pt` is a TorchScript file taking
-    uint8 (N, 3, H, W) and returning features, or (features, logits): FID uses the first, IS the second.
-  * `--features inception` is torchmetrics' own InceptionV3. It needs the torch-fidelity package,
-    which needs torchvision, whose PyPI wheels are built for CUDA torch: beside the pinned CPU build
-    they fail to import, and the newest pulls in a newer torch (GBs). So it is not in requirements.txt.
-    Where torchvision works, install torch-fidelity (weights: --inception-weights FILE, or torch.hub's
-    cache), or trace it there once into a file that runs anywhere, for any image size:
+  * `--real`: FID and IS of samples of real shards' captions against their images. `--features net.pt`: a
+    TorchScript file, uint8 (N, 3, H, W) -> features, or (features, logits): FID uses the first, IS the second.
+  * `--features inception`: torchmetrics' InceptionV3. It needs torch-fidelity, hence torchvision, whose PyPI
+    wheels are built for CUDA torch (beside the pinned CPU build they fail to import; the newest pulls in a newer
+    torch, GBs), so it is not in requirements.txt. Where torchvision works, install torch-fidelity (weights:
+    --inception-weights FILE, or torch.hub's cache), or trace it there once into a file that runs anywhere:
         from torchmetrics.image.fid import NoTrainInceptionV3
         class Both(torch.nn.Module):  # uint8 images -> (pool3 features, unbiased logits)
             def __init__(self):
@@ -58,31 +52,26 @@ from moe import MoE, default_impl
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Sample images from a trained MM-DiT checkpoint.")
-    p.add_argument("--ckpt", default=None, help="checkpoint written by train.py (<out>/ckpt.pt)")
-    p.add_argument("--plot", default=None, metavar="RUN_FOLDER", help="only draw RUN_FOLDER/loss.png from its "
-                   "log.jsonl (loss, loss per t-quarter, learning rate, sample scores, MoE expert loads)")
+    p.add_argument("--ckpt", help="checkpoint written by train.py (<out>/ckpt.pt)")
+    p.add_argument("--plot", metavar="RUN_FOLDER", help="only draw RUN_FOLDER/loss.png from its log.jsonl (losses, LR, "
+                   "sample scores, MoE expert loads)")
     p.add_argument("--prompt", action="append", help="caption to draw (repeatable); default: a few built-in ones")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
-    p.add_argument("--steps", type=int, default=25, help="Euler steps from t=1 (noise) to t=0 (50 gave the same "
-                   "scores, README)")
-    p.add_argument("--cfg", type=float, default=3.0, help="classifier-free guidance scale w (1 = no guidance, 0 = "
-                   "ignore the caption); README: 3 suits shapes and real pictures, 5 speckles")
+    p.add_argument("--steps", type=int, default=25, help="Euler steps, t=1 (noise) to t=0; 50 scored the same (README)")
+    p.add_argument("--cfg", type=float, default=3.0, help="classifier-free guidance scale w (1 = none, 0 = ignore the "
+                   "caption); README: 3 suits shapes and real pictures, 5 speckles")
     p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same pictures)")
-    p.add_argument("--out", default=None, help="PNG grid path (default: next to the checkpoint)")
-    p.add_argument("--eval", action="store_true", help="score samples: the judge (built-in data), --real, "
-                   "--clip-model; last line is JSON")
+    p.add_argument("--out", help="PNG grid path (default: next to the checkpoint)")
+    p.add_argument("--eval", action="store_true", help="score samples (judge, --real, --clip-model); last line: JSON")
     p.add_argument("--eval-n", type=int, default=2, help="--eval: samples per colour x shape x position, or per name")
-    p.add_argument("--real", default=None, help="--eval: raw shards {jpg|png, txt} (folder, comma-separated "
-                   ".tar paths, or 'builtin'): FID + IS of samples of their captions against their images")
-    p.add_argument("--real-n", type=int, default=1000, help="--real: how many real images (and samples); FID is "
-                   "biased upward at small n, so compare runs at the same n")
-    p.add_argument("--features", default="inception", help="--real: feature network: 'inception' (torchmetrics' "
-                   "InceptionV3; needs torch-fidelity) or a TorchScript file, uint8 (N,3,H,W) -> features or "
-                   "(features, logits)")
-    p.add_argument("--inception-weights", default=None, help="--features inception: local weights file (default: "
-                   "torch.hub's cache, $TORCH_HOME/hub/checkpoints/)")
-    p.add_argument("--clip-model", default=None, help="--eval: CLIPScore with this CLIP (hub id or local folder of "
-                   "a transformers CLIPModel + CLIPProcessor)")
+    p.add_argument("--real", help="--eval: raw shards {jpg|png, txt} (folder, comma-separated .tar paths, or "
+                   "'builtin'): FID + IS of samples of their captions against their images")
+    p.add_argument("--real-n", type=int, default=1000, help="--real: real images (and samples); FID is biased up at "
+                   "small n: compare runs at the same n")
+    p.add_argument("--features", default="inception", help="--real: 'inception' (torchmetrics'; needs torch-fidelity) "
+                   "or a TorchScript file, uint8 (N,3,H,W) -> features or (features, logits)")
+    p.add_argument("--inception-weights", help="--features inception's weights (default: $TORCH_HOME/hub/checkpoints/)")
+    p.add_argument("--clip-model", help="--eval: CLIPScore with this CLIP: hub id or CLIPModel + CLIPProcessor folder")
     p.add_argument("--routing", action="store_true", help="MoE checkpoints: save expert-choice heatmaps (PNG)")
     p.add_argument("--raw", action="store_true", help="use the raw weights instead of the EMA weights")
     p.add_argument("--batch", type=int, default=256, help="prompts per sampling batch (memory bound)")
@@ -97,8 +86,7 @@ def get_args(argv=None):
 
 
 def load(path, raw=False):
-    """Checkpoint -> (model in eval mode, its frozen text encoder, the training flags); the frozen
-    VAE (None in pixel space) rides along as model.vae."""
+    """Checkpoint -> (eval-mode model, frozen text encoder, training flags); model.vae: the frozen VAE, or None."""
     dev = device()
     ckpt = torch.load(path, map_location=dev, weights_only=True)
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)  # the dispatch that suits this device
@@ -121,9 +109,8 @@ def sample(model, encoder, prompts, args):
 
 @torch.no_grad()
 def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
-    """Expert choice of image tokens (DiT-MoE's heatmaps, for text-to-image): by layer x timestep,
-    by the caption's colour and shape, and by patch position. Inputs are built-in images of every
-    colour x shape x position, noised to the centre of each t bin. Saves PNGs, returns the counts."""
+    """Expert choice of image tokens (DiT-MoE's heatmaps) by layer x timestep, caption colour and shape, and patch
+    position, on built-in images of every colour x shape x position noised to each t bin's centre -> PNGs, counts."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,23 +142,18 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
     labels = {"timestep": [f"t~{(b + 0.5) / t_bins:.1f}" for b in range(t_bins)], "colour": list(data.COLORS),
               "shape": data.SHAPES}
     for key, counts in by.items():
-        frac = counts / counts.sum(-1, keepdim=True)  # each row: share of its tokens per expert
+        frac = counts / counts.sum(1 if key == "position" else -1, keepdim=True)  # rows: share of tokens per expert
         if key == "position":  # one small map per (layer, expert): where on the image it is chosen
-            frac = counts / counts.sum(1, keepdim=True)
             fig, axes = plt.subplots(L, E, figsize=(1.2 * E, 1.3 * L), squeeze=False)
-            for l in range(L):
-                for e in range(E):
-                    axes[l, e].imshow(frac[l, e].view(n, n).numpy(), vmin=0, vmax=2 * frac.mean(), cmap="viridis")
-                    axes[l, e].set_xticks([]), axes[l, e].set_yticks([])
-                    axes[l, e].set_title(f"L{l} e{e}", fontsize=7)
+            for i, ax in enumerate(axes.flat):  # (row-major: i = l * E + e)
+                ax.imshow(frac.view(L * E, n, n)[i].numpy(), vmin=0, vmax=2 * frac.mean(), cmap="viridis")
+                ax.set(xticks=[], yticks=[]), ax.set_title(f"L{i // E} e{i % E}", fontsize=7)
         else:
             fig, axes = plt.subplots(1, L, figsize=(2.2 * L + 1, 0.35 * len(labels[key]) + 1.5), squeeze=False)
-            for l in range(L):
-                ax = axes[0, l]
+            for l, ax in enumerate(axes[0]):
                 im = ax.imshow(frac[l].numpy(), vmin=0, vmax=max(2.0 / E, frac.max().item()), cmap="viridis",
                                aspect="auto")
-                ax.set_title(f"layer {l}", fontsize=9)
-                ax.set_xlabel("expert")
+                ax.set_title(f"layer {l}", fontsize=9), ax.set_xlabel("expert")
                 ax.set_yticks(range(len(labels[key])), labels[key] if l == 0 else [""] * len(labels[key]), fontsize=8)
             fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="share of tokens")
         fig.suptitle(f"expert choice by {key}")
@@ -190,8 +172,7 @@ def real_images(shards, size, n, seed=0):
     images, captions = [], []
     for b in data.ShardStream(data.resolve_shards(shards, size), 1, size, seed=seed):
         if "image" not in b:
-            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} "
-                             f"shards")
+            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} shards")
         images.append(b["image"][0])
         captions.append(b["caption"][0])
         if len(images) == n:
@@ -236,8 +217,7 @@ def feature_nets(spec, weights=None):
 @torch.no_grad()
 def fid_is(real, fake, nets, batch=256):
     """uint8 real and fake images, feature_nets() -> dict(fid, kid, kid_std, inception_score, inception_score_std).
-    KID (Binkowski et al. 2018): the squared MMD of the features under a cubic kernel, unbiased at small n
-    where FID is not; averaged over 100 random subsets."""
+    KID (Binkowski et al. 2018): squared MMD of features, cubic kernel, 100 subsets; unbiased at small n, unlike FID."""
     # from their own modules: torchmetrics.image lists these when torch-fidelity is installed
     from torchmetrics.image.fid import FrechetInceptionDistance
     from torchmetrics.image.inception import InceptionScore
@@ -247,7 +227,7 @@ def fid_is(real, fake, nets, batch=256):
     splits = max(1, min(10, len(fake) // 100))  # the usual 10 splits, each of at least 100 images
     with warnings.catch_warnings(action="ignore"):  # IS: "keeps every feature" (MBs here), "std of one split"
         iscore = InceptionScore(nets[1], splits=splits).to(dev)
-        size = max(2, min(1000, len(real) // 2, len(fake) // 2))  # half: subsets that differ, so its std means something
+        size = max(2, min(1000, len(real) // 2, len(fake) // 2))  # half: subsets differ, so its std means something
         kid = KernelInceptionDistance(nets[0], subset_size=size).to(dev)
         for images, is_real in ((real, True), (fake, False)):
             for i in range(0, len(images), batch):
@@ -266,15 +246,12 @@ def fid_is(real, fake, nets, batch=256):
 # Named real pictures (`python data.py emoji`): retrieval, FID/KID and sharpness, no download
 # -----------------------------------------------------------------------------------------------
 class NameNet(torch.nn.Module):
-    """A small CNN trained here, from the real pictures alone, to tell the set's names apart: uint8
-    (N, 3, H, W) -> (features (N, 4w), logits (N, names)). No pretrained weights: it is not Inception,
-    and its FID is not comparable with published numbers; it is comparable between runs on one set."""
+    """A small CNN trained here on the real pictures alone to tell the names apart: uint8 (N, 3, H, W) -> (features
+    (N, 4w), logits (N, names)). Not Inception: its FID compares runs on one set, not with published numbers."""
 
     def __init__(self, n_names, w=16):
         super().__init__()
-
-        def conv(i, o):
-            return [torch.nn.Conv2d(i, o, 3, padding=1), torch.nn.GroupNorm(8, o), torch.nn.SiLU()]
+        conv = lambda i, o: [torch.nn.Conv2d(i, o, 3, padding=1), torch.nn.GroupNorm(8, o), torch.nn.SiLU()]
         self.body = torch.nn.Sequential(*conv(3, w), torch.nn.AvgPool2d(2), *conv(w, 2 * w), *conv(2 * w, 2 * w),
                                         torch.nn.AvgPool2d(2), *conv(2 * w, 4 * w), *conv(4 * w, 4 * w),
                                         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())  # 32 px: ~15 MFLOP
@@ -336,10 +313,9 @@ def laplacian(x):
 
 @torch.no_grad()
 def score_names(fake, want, names, real, fid=True):
-    """Samples (uint8) of the names `want` (indices) -> retrieval top-1/top-5 (is the nearest real picture, by
-    cosine in NameNet's features, the one the caption names?), chance, the same for views() of the real
-    pictures (the ceiling), sharpness (÷ the real pictures'; 1 = as smooth as the data), FID/KID/IS.
-    real: real_names(), loaded once by the caller."""
+    """uint8 samples of the names `want` (indices), real_names() (read once by the caller) -> retrieval top-1/top-5
+    (is the nearest real picture, by cosine in NameNet's features, the captioned one?), chance, the ceiling (the same
+    for views() of the real pictures), sharpness (÷ the real pictures'; 1 = as smooth as the data), FID/KID/IS."""
     net = name_net(names, real)
     ref = F.normalize(net(real)[0], dim=1)  # (names, features)
 
@@ -349,8 +325,8 @@ def score_names(fake, want, names, real, fid=True):
         return (rank < 1).float().mean().item(), (rank < 5).float().mean().item()
 
     out = dict(zip(("top1", "top5"), top(fake, want)), chance1=1 / len(real), chance5=min(1, 5 / len(real)))
-    out.update(zip(("ceiling_top1", "ceiling_top5"), top(views(real, torch.Generator().manual_seed(1)), torch.arange(len(real)))))
-    out["sharpness"] = laplacian(fake) / laplacian(real[want])
+    ceiling = top(views(real, torch.Generator().manual_seed(1)), torch.arange(len(real)))
+    out.update(ceiling_top1=ceiling[0], ceiling_top5=ceiling[1], sharpness=laplacian(fake) / laplacian(real[want]))
     if fid:
         out.update(fid_is(real, fake, (Pick(net, 0), Pick(net, 1))))
     return out
@@ -359,10 +335,8 @@ def score_names(fake, want, names, real, fid=True):
 def names_grid(fake, want, real, path, cols=12, blocks=2):
     """Real vs generated: `blocks` x `cols` names spread over the set, the real picture above the first sample."""
     from PIL import Image
-    first = {}
-    for j, i in enumerate(want.tolist()):
-        first.setdefault(i, j)
-    pick = [i for i in sorted(first)][::max(1, len(first) // (cols * blocks))][:cols * blocks]
+    first = {i: j for j, i in reversed(list(enumerate(want.tolist())))}  # name -> its first sample
+    pick = sorted(first)[::max(1, len(first) // (cols * blocks))][:cols * blocks]
     rows = [pick[b * cols:(b + 1) * cols] for b in range(blocks)]
     pil = [Image.fromarray(x.permute(1, 2, 0).numpy()) for r in rows for x in [*real[r], *fake[[first[i] for i in r]]]]
     data.save_grid(pil, path, nrow=len(rows[0]), scale=3)
@@ -370,11 +344,12 @@ def names_grid(fake, want, real, path, cols=12, blocks=2):
 
 def print_names(scores, n, args_text):
     """The scores of score_names() as a reader wants them."""
-    print(f"{n} samples of the held-out wording, {args_text}: retrieval top-1 {100 * scores['top1']:.1f}% top-5 "
-          f"{100 * scores['top5']:.1f}% (chance {100 * scores['chance1']:.1f}% / {100 * scores['chance5']:.1f}%; real "
-          f"pictures' shifted, blurred, noised views {100 * scores['ceiling_top1']:.1f}% / {100 * scores['ceiling_top5']:.1f}%)"
-          f" | sharpness {scores['sharpness']:.2f}x the real pictures'"
-          + (f" | FID {scores['fid']:.1f}, KID {scores['kid']:.4f} (NameNet features, not Inception)" if "fid" in scores else ""))
+    p = lambda key: f"{100 * scores[key]:.1f}%"
+    fid = (f" | FID {scores['fid']:.1f}, KID {scores['kid']:.4f} (NameNet features, not Inception)"
+           if "fid" in scores else "")
+    print(f"{n} samples of the held-out wording, {args_text}: retrieval top-1 {p('top1')} top-5 {p('top5')} (chance "
+          f"{p('chance1')} / {p('chance5')}; real pictures' shifted, blurred, noised views {p('ceiling_top1')} / "
+          f"{p('ceiling_top5')}) | sharpness {scores['sharpness']:.2f}x the real pictures'{fid}")
 
 
 class CLIPFeatures(torch.nn.Module):
@@ -416,9 +391,8 @@ def clip_score(images, captions, clip, batch=256):
 # A run's curves: loss.png from log.jsonl (train.py redraws it with every grid; `--plot` any time)
 # -----------------------------------------------------------------------------------------------
 def plot_run(folder):
-    """<folder>/log.jsonl -> <folder>/loss.png: the loss (and per t-quarter), the learning rate, the grids'
-    scores and, for an MoE, the least and most loaded expert of each layer, against the step.
-    -> {curve name: (steps, values)}, what was drawn."""
+    """<folder>/log.jsonl -> <folder>/loss.png: loss (and per t-quarter), learning rate, the grids' scores and, for an
+    MoE, each layer's least and most loaded expert, against the step -> {curve name: (steps, values)}, as drawn."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
@@ -452,8 +426,7 @@ def plot_run(folder):
                          label=name)
     titles = ("flow loss (log scale)", "learning rate", "sample scores", "expert load: min / max per layer")
     for ax, title in zip(axes, titles):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=10), ax.set_xlabel("step")
         if ax.lines:
             ax.legend(fontsize=7)
     axes[0].set_yscale("log")
@@ -483,11 +456,11 @@ def main(argv=None):
             want = torch.arange(len(names["names"])).repeat_interleave(args.eval_n)
             captions = [names["heldout"].format(name=names["names"][i]) for i in want]
             fake = data.stack_uint8(sample(model, encoder, captions, args), size)
-            out = beside_ckpt(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
-            real = real_names(names, size)
+            out, real = beside_ckpt(f"eval_{args.steps}steps_cfg{args.cfg:g}.png"), real_names(names, size)
             names_grid(fake, want, real, out)
             scores.update(score_names(fake, want, names, real), n=len(want))
-            print_names(scores, len(want), f"{args.steps} Euler steps, cfg {args.cfg}; grid (real above generated): {out}")
+            print_names(scores, len(want),
+                        f"{args.steps} Euler steps, cfg {args.cfg}; grid (real above generated): {out}")
         elif targs.get("data", data.BUILTIN) == data.BUILTIN:  # the built-in data keeps its judge
             prompts = data.heldout_prompts(args.eval_n)
             captions = [p for p, _ in prompts]
@@ -496,8 +469,7 @@ def main(argv=None):
             out = beside_ckpt(f"eval_{args.steps}steps.png")
             data.save_grid(images[:len(data.heldout_prompts(1))], out, nrow=len(data.SHAPES) * len(data.POSITIONS))
             print(f"{len(prompts)} held-out prompts, {args.steps} Euler steps, cfg {args.cfg}; grid: {out}")
-            for k, v in acc.items():
-                print(f"  {k:9s} {100 * v:5.1f}%")
+            print("\n".join(f"  {k:9s} {100 * v:5.1f}%" for k, v in acc.items()))
             scores.update(acc, n=len(prompts))
         elif not (args.real or args.clip_model):
             raise SystemExit("--eval: the judge knows only the built-in data and sets with a names.json (python "
@@ -506,9 +478,8 @@ def main(argv=None):
             real, captions = real_images(args.real, size, args.real_n, args.seed)
             images = sample(model, encoder, captions, args)
             scores.update(fid_is(real, data.stack_uint8(images, size), nets, args.batch), n_real=len(real))
-            print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} "
-                  f"+- {scores['inception_score_std']:.2f}: {len(real)} real images of {args.real} and as many "
-                  f"samples of their captions ({args.features})")
+            print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- {scores['inception_score_std']:.2f}"
+                  f": {len(real)} real images of {args.real} and as many samples of their captions ({args.features})")
         if args.clip_model:  # on the samples above, or else on the --prompt ones
             if not images:
                 if not args.prompt:
