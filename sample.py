@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import data
 import flow
-from model import DiT, device
+from model import DiT, TextEncoder, cannot_load, device, load_vae
 from moe import MoE, default_impl
 
 
@@ -91,9 +91,9 @@ def load(path, raw=False):
     ckpt = torch.load(path, map_location=dev, weights_only=True)
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)  # the dispatch that suits this device
     model.load_state_dict(ckpt["model" if raw else "ema"])
-    model.vae = data.load_vae(ckpt["args"].get("vae", "none"), dev)  # (a plain attribute: not a submodule)
+    model.vae = load_vae(ckpt["args"].get("vae", "none"), dev)  # (a plain attribute: not a submodule)
     model.t_shift = ckpt["args"].get("t_shift", 1.0)  # sample on the time grid it was trained for
-    encoder = data.TextEncoder(ckpt["args"]["text_encoder"], device=dev)
+    encoder = TextEncoder(ckpt["args"]["text_encoder"], device=dev)
     return model.eval().requires_grad_(False), encoder, ckpt["args"]
 
 
@@ -373,7 +373,7 @@ def load_clip(name):
     try:
         return CLIPFeatures(CLIPModel.from_pretrained(name).eval()), CLIPProcessor.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise SystemExit(data.cannot_load("--clip-model", name, e)) from e
+        raise SystemExit(cannot_load("--clip-model", name, e)) from e
 
 
 @torch.no_grad()

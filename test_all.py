@@ -27,7 +27,7 @@ import flow
 import moe
 import sample
 import train
-from model import DiT, count_params
+from model import DiT, TextEncoder, count_params, load_vae
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "--workers", "0",
@@ -278,7 +278,7 @@ def test_builtin_data_is_deterministic_and_captions_vary(tmp_path):
 
 
 def test_text_encoder_is_frozen_cached_and_masks_padding():
-    enc = data.TextEncoder("minilm")
+    enc = TextEncoder("minilm")
     tokens, mask = enc(["a red circle in the top left", "blue square, center"])
     assert tokens.shape[0] == 2 and tokens.shape[2] == 384
     assert mask[0].sum() > mask[1].sum() and not tokens[1][~mask[1]].any()
@@ -1132,7 +1132,7 @@ def tiny_vae(tmp_path_factory):
 
 
 def test_vae_encodes_the_posterior_mean_times_the_scaling_factor(tiny_vae):
-    vae = data.load_vae(tiny_vae)
+    vae = load_vae(tiny_vae)
     assert (vae.channels, vae.factor, vae.scale) == (4, 2, 0.18215)
     x = torch.rand(2, 3, 16, 16) * 2 - 1
     z = vae.encode(x)
@@ -1145,7 +1145,7 @@ def test_vae_encodes_the_posterior_mean_times_the_scaling_factor(tiny_vae):
 
 
 def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it():
-    for load in (lambda: data.load_vae("/no/such/vae"), lambda: data.TextEncoder("/no/such/clip")):
+    for load in (lambda: load_vae("/no/such/vae"), lambda: TextEncoder("/no/such/clip")):
         with pytest.raises(SystemExit, match="huggingface-cli download .*HF_HOME.*save_pretrained"):
             load()
 
@@ -1710,8 +1710,8 @@ def test_resume_mid_epoch_does_not_decode_the_consumed_samples(tmp_path, monkeyp
 
 def test_caption_states_are_the_same_bits_in_any_batch_cached_or_not():
     caps = [f"a red circle number {i}" + " big" * (i % 5) for i in range(40)]
-    fresh = data.TextEncoder("minilm", cache_size=0)
-    cached = data.TextEncoder("minilm", cache_size=3)
+    fresh = TextEncoder("minilm", cache_size=0)
+    cached = TextEncoder("minilm", cache_size=3)
     alone = fresh([caps[7]])
     for enc, batch, i in ((fresh, caps, 7), (fresh, caps[5:12], 2), (cached, caps[:20], 7), (cached, caps[7:8], 0)):
         tok, mask = enc(batch)

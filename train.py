@@ -37,7 +37,7 @@ import torch.distributed as dist
 import data
 import flow
 import sample
-from model import DiT, count_params, device
+from model import DiT, TextEncoder, count_params, device, load_vae
 from moe import balance_loss, default_impl, nudge_biases, routing_loads, routing_stats, upcycle
 
 
@@ -67,8 +67,8 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     gen: torch.Generator           # noise, t and caption drop: seeded alike on every rank
-    encoder: data.TextEncoder      # frozen
-    vae: object = None             # frozen data.VAE; None = the model works on pixels
+    encoder: TextEncoder           # frozen
+    vae: object = None             # frozen model.VAE; None = the model works on pixels
     engine: object = None          # the DeepSpeed engine (--dist deepspeed), else None
     step: int = 0                  # optimizer steps taken
     epoch: int = 0                 # the data position: epoch, its batches consumed, each loader worker's
@@ -220,8 +220,8 @@ def setup(args, shape=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    vae = data.load_vae(args.vae, dev)  # frozen; None = pixel space
-    encoder = data.TextEncoder(args.text_encoder, device=dev, cache_size=args.text_cache)
+    vae = load_vae(args.vae, dev)  # frozen; None = pixel space
+    encoder = TextEncoder(args.text_encoder, device=dev, cache_size=args.text_cache)
     size = args.image_size // (vae.factor if vae else 1)  # the model sees latents of this side
     if vae and (args.image_size % vae.factor or size % args.patch):
         raise SystemExit(f"--vae shrinks {args.image_size} px by {vae.factor} to {args.image_size / vae.factor:g}: "
