@@ -1,22 +1,17 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
 Read main() at the bottom first: it is the outline of a run, start() -> train_loop() -> checkpoint_and_stop()
-on a stop signal, else final_evaluation() -> end(). The sections above it come in the order a run uses
-them: the run's state (one Run dataclass) -> flags -> set-up (device, encoders, model, EMA, AdamW, warm-up
-+ cosine) -> one training step (drop 10% of the captions -> flow loss -> AdamW -> EMA) -> checkpoints ->
-DeepSpeed's differences -> sample grids -> stop signals. A run folder gets log.jsonl and loss.png, its curves.
+on a stop signal, else final_evaluation() -> end(). The sections above it come in the order a run uses them:
+state (one Run dataclass) -> flags -> set-up -> one training step -> checkpoints -> DeepSpeed -> sample grids
+-> stop signals. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off the RANK variable, so
+plain `python train.py` needs no launcher; the tests and profile.py reuse the very same parser and step.
 
-Distributed runs are the same file under torchrun (`--dist ddp` or `--dist deepspeed`), keyed off
-the RANK variable torchrun sets, so plain `python train.py` needs no launcher. Everything lives in
-functions and runs only under __main__, so the tests and profile.py reuse the very same parser
-and step. Resume is exact: the checkpoint holds model, EMA, optimiser,
-schedule, step, flags, every RNG state and the data position (epoch, and how far each loader worker
-got); the data order is a pure function of (seed, epoch, rank, worker), so passing over the consumed
-samples of the current epoch (read, not decoded) puts the stream exactly where it was.
-
-Faults (README's table): a stop signal checkpoints after the step or, where no step runs, ends the
-process at once (StopSignals); a non-finite step is skipped on every rank; checkpoints are fsynced
-and the previous one is kept as a fallback; a full disk warns; a resume with changed flags is refused.
+Resume is exact: a checkpoint holds model, EMA, optimiser, schedule, step, flags, every RNG state and the data
+position (epoch, how far each loader worker got); the data order is a pure function of (seed, epoch, rank,
+worker), so passing over the consumed samples (read, not decoded) puts the stream exactly where it was.
+Faults (README's table): a stop signal checkpoints after the step, or ends the process at once where no step
+runs; a non-finite step is skipped on every rank; checkpoints are fsynced and the previous one kept as a
+fallback; a full disk warns; a resume with changed flags is refused.
 """
 import argparse
 import contextlib
@@ -272,16 +267,11 @@ def drop_captions(text, mask, keep):
 
 
 def train_step(S, args, micro, mark=None):
-    """One optimizer step over `micro`, this rank's --grad-accum micro-batches [(x0, text, mask)]:
-    flow loss (+ MoE balance loss) -> backward, per micro-batch -> clip at 1.0 -> AdamW -> schedule ->
-    EMA. Caption drop, t and noise are drawn for the whole global batch (batch x accum x world) on
-    every rank, which keeps its slices: the run does not depend on how its batch is split.
-    No host sync: nothing here reads a number off the device, so on a GPU the host queues the next
-    step while this one runs. A step whose loss or gradient norm is not finite changes no weight,
-    moment or EMA (decided on the device: fused AdamW's `found_inf`, as under torch.amp's GradScaler;
-    ZeRO skips its own update) but still takes its step number and learning rate; S.bad counts
-    them on the device (total, in a row now, longest run). Returns device tensors; the loop reads
-    them on log steps. `mark(phase)`, if given, is called as each phase ends (profile.py times them)."""
+    """One optimizer step over this rank's --grad-accum micro-batches [(x0, text, mask)]: flow loss (+ MoE
+    balance loss) -> backward per micro-batch -> clip at 1.0 -> AdamW -> schedule -> EMA. No host sync: on a
+    GPU the host queues the next step while this one runs. A non-finite loss or gradient norm changes no
+    weight, moment or EMA (fused AdamW's `found_inf`, as under GradScaler; ZeRO skips its own update) but
+    takes its step number; S.bad counts them on the device. `mark(phase)` lets profile.py time the phases."""
     mark = mark or (lambda phase: None)
     n, N, W, r, dev = micro[0][0].shape[0], len(micro), S.world, S.rank, S.dev
     keep = torch.rand(n * N * W, generator=S.gen, device=dev) >= args.cfg_drop  # (global batch,)
@@ -351,10 +341,8 @@ def encode_batch(S, b):
 
 
 def batches(args, S, shards):
-    """Endless loader batches (dicts, see data.collate) from the saved data position, which it keeps
-    up to date: S.epoch, S.batch_in_epoch and S.workers, each loader worker's {batches, raw,
-    skipped} (a resumed epoch passes over what they had read without decoding it: data.ShardStream).
-    S.skipped counts bad samples, S.skipped_before those of finished epochs."""
+    """Endless loader batches (data.collate's dicts) from the saved data position, which it keeps up to date
+    (S.epoch, S.batch_in_epoch, S.workers: data.ShardStream); S.skipped counts bad samples."""
     while True:
         for i, b in enumerate(data.make_loader(shards, args.batch_size, args.image_size, args.seed, S.epoch,
                                                S.rank, S.world, args.workers, resume=dict(S.workers))):
@@ -377,10 +365,9 @@ def batches(args, S, shards):
 # Checkpoints: atomic and fsynced, the previous one kept; an unreadable one falls back to it
 # -----------------------------------------------------------------------------------------------
 def save_checkpoint(S, args):
-    """Every rank calls this (each rank's data position is gathered); rank 0 writes <out>/ckpt.pt and
-    keeps the one before as ckpt.prev.pt. -> False where an OSError (disk full, quota, I/O) stopped
-    it: a warning, nothing half-written left behind, and the next save tries again.
-    DeepSpeed: each rank's optimizer partition goes to <out>/deepspeed/<tag> first (deepspeed_save)."""
+    """Every rank calls this (the data positions are gathered); rank 0 writes <out>/ckpt.pt, the one before
+    kept as ckpt.prev.pt. -> False where an OSError (disk full, I/O) stopped it: a warning, nothing half-
+    written, the next save tries again. DeepSpeed: each rank's partition first goes to <out>/deepspeed/<tag>."""
     tag = deepspeed_save(S, args) if S.engine is not None else None
     if tag is False:
         return False
@@ -415,9 +402,8 @@ def save_checkpoint(S, args):
 
 
 def read_checkpoint(out, dev):
-    """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable (a
-    truncated copy, a crash between the two renames); an unreadable ckpt.pt becomes ckpt.bad.pt, so it
-    never pushes the good one out at the next save. Neither readable: a message saying what to do."""
+    """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable; an
+    unreadable ckpt.pt becomes ckpt.bad.pt, so it never pushes the good one out at the next save."""
     errors = []
     for name in (CKPT, PREV):
         try:
@@ -546,9 +532,8 @@ def deepspeed_load(S, args, tag):
 # Samples during training: grids and their scores
 # -----------------------------------------------------------------------------------------------
 def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
-    """EMA samples of every held-out prompt, n_each times (fixed noise) -> the judge's accuracy on them
-    (built-in data), or the retrieval scores (a set of named pictures, `python data.py emoji`), else None;
-    a PNG grid: the first of each, one row per colour, or real pictures above generated ones."""
+    """EMA samples of every held-out prompt (or name), n_each times, fixed noise -> a PNG grid, and the judge's
+    accuracy (built-in data) or the retrieval scores (named pictures, `python data.py emoji`), else None."""
     names, c = S.names, S.config
     if names:  # every name in its held-out wording
         want = torch.arange(len(names["names"])).repeat_interleave(n_each)
@@ -588,8 +573,7 @@ def redraw_curves(args):
 # Stop signals: finish the step, checkpoint, exit 0; or, where that is not possible, exit at once
 # -----------------------------------------------------------------------------------------------
 class Interrupted(BaseException):
-    """Raised by StopSignals where the process cannot wait for a step to end. A BaseException, like
-    KeyboardInterrupt, so that no `except Exception` on the way (the loader's bad-sample skip) eats it."""
+    """StopSignals' way out where a step cannot be waited for: a BaseException, so no `except Exception` eats it."""
 
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -597,14 +581,12 @@ class Interrupted(BaseException):
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's warning before the time limit, `#SBATCH --signal`) and SIGTERM (scancel, requeue,
-    torchrun shutting down). While `defer` is set (inside the loop) the first one is only noted: after
-    this step (one process) or at the next log step (--log-every: where the ranks agree on it) every
-    rank writes one checkpoint and exits 0, and --auto-resume continues from it.
-    Anywhere else (start-up, rendezvous, final samples, one process waiting for data) or at a second
-    signal it raises Interrupted at once, so `timeout`, `kill` and `scancel` never wait on a stuck run.
-    A repeat within `same_event` seconds is the same event arriving twice (Slurm signals every process
-    of a step, and torchrun forwards the signal to the ranks as well), not a second signal."""
+    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (scancel, requeue, torchrun stopping).
+    While `defer` is set (inside the loop) the first is only noted: after this step (one process) or at the
+    next log step (where the ranks agree) every rank checkpoints and exits 0. Anywhere else, or at a second
+    signal, it raises Interrupted at once, so `timeout`, `kill` and `scancel` never wait on a stuck run. A
+    repeat within `same_event` seconds is one event arriving twice (Slurm signals every process of a step,
+    and torchrun forwards it to the ranks too)."""
 
     def __init__(self, same_event=2.0):
         self.caught, self.defer, self.pid, self.first, self.same_event = [], False, os.getpid(), None, same_event
@@ -802,8 +784,8 @@ def end(args, S, code):
 
 
 def first_batch(S, stream):
-    """Every rank fetches its first batch before any step. If one cannot (no full batch in its data, a
-    loader error), every rank stops with the reasons, instead of the others waiting in an all-reduce."""
+    """Every rank fetches its first batch before any step; where one cannot, all stop with the reasons
+    (instead of the others waiting forever in an all-reduce)."""
     try:
         b, why = next(stream), None
     except (SystemExit, Exception) as e:  # batches() exits on an epoch without a batch
@@ -861,8 +843,7 @@ def optimizer_bytes(opt):
 
 
 def leave_distributed(code=0):
-    """barrier -> destroy -> flush -> os._exit: gloo can abort at interpreter exit after the work is
-    done ("terminate called without an active exception"); this order never did here."""
+    """barrier -> destroy -> flush -> os._exit: gloo can abort at interpreter exit; this order never did."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
