@@ -456,7 +456,7 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero():
         lrs.append(S.opt.param_groups[0]["lr"])
         S.opt.step()  # (no gradients: nothing moves; keeps the scheduler's order check quiet)
         S.sched.step()
-    peak = 1e-3
+    peak = args.lr  # the default peak
     assert all(math.isclose(lrs[i], peak * (i + 1) / 10) for i in range(10))  # linear warm-up to the peak
     assert math.isclose(lrs[10], peak) and math.isclose(lrs[60], peak / 2)  # cosine: half-way down at half-way
     assert math.isclose(lrs[35], peak * (1 + math.cos(math.pi / 4)) / 2)
