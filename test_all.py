@@ -876,7 +876,7 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
     import time
     real_batches = train.batches
 
-    def slow_batches(*a):  # a loader that takes 300 ms per batch (far above the tiny model's phases, even on a busy CPU)
+    def slow_batches(*a):  # a loader that takes 300 ms per batch (far above the tiny model's phases on a busy CPU)
         for b in real_batches(*a):
             time.sleep(0.3)
             yield b

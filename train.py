@@ -125,7 +125,8 @@ def get_parser():
     a("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation): the "
       "global batch of a big run on fewer or smaller GPUs")
     a("--steps", type=int, default=1000, help="optimiser steps")
-    a("--lr", type=float, default=2e-3, help="peak AdamW learning rate (README: 1e-3 and 3e-3 did worse in 1,000 steps)")
+    a("--lr", type=float, default=2e-3, help="peak AdamW learning rate (README: 1e-3 and 3e-3 did worse in "
+      "1,000 steps)")
     a("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay")
     a("--t-dist", default="logit-normal", choices=["uniform", "logit-normal"], help="training time distribution")
     a("--t-shift", type=float, default=1.0, help="SD3's time shift s of training times and the sampler's grid, "
