@@ -60,8 +60,10 @@ def render(color, shape, pos, size=32, rng=None):
     cx, cy = (fx + rng.uniform(-0.03, 0.03)) * S, (fy + rng.uniform(-0.03, 0.03)) * S
     r = rng.uniform(0.19, 0.25) * S  # half extent: big enough that corners tell square from circle
     draw, box = ImageDraw.Draw(img), [cx - r, cy - r, cx + r, cy + r]
-    if shape in ("circle", "square"):
-        (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLORS[color])
+    if shape == "circle":
+        draw.ellipse(box, fill=COLORS[color])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLORS[color])
     else:  # triangle, apex up
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[color])
     return img.resize((size, size), Image.BOX)
