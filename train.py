@@ -77,6 +77,7 @@ class Run:
     shards: list = None            # the training data
     judged: bool = False           # built-in shapes: data.judge grades samples
     names: dict = None             # a set of named pictures (python data.py emoji): retrieval scores samples
+    real: torch.Tensor = None      # its pictures, uint8 (N, 3, H, W): read once, used by every grid
     log: object = None             # log.jsonl, open on rank 0
     t_start: float = 0.0           # time.time() at start-up; t_enc / t_total: seconds in the frozen encoders
     t_enc: float = 0.0             # vs in whole steps
@@ -549,16 +550,15 @@ def sample_grid(S, args, path, n_each=1, seed=1234, fid=False):
         chunks.append((x if S.vae is None else S.vae.decode(x)).cpu())
     x = torch.cat(chunks)
     images = None if names else [data.to_pil(im) for im in x]
-    real = sample.real_names(names, args.image_size) if names else None  # the set's pictures, read once
     try:
         if names:
-            sample.names_grid(data.as_uint8(x), want, real, path)
+            sample.names_grid(data.as_uint8(x), want, S.real, path)
         else:
             data.save_grid(images[:len(images) // n_each], path, nrow=len(data.SHAPES) * len(data.POSITIONS))
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {path} not written ({e}); training goes on", file=sys.stderr)
     if names:
-        return sample.score_names(data.as_uint8(x), want, names, real, fid)
+        return sample.score_names(data.as_uint8(x), want, names, S.real, fid)
     return data.grade(images, [a for _, a in prompts]) if S.judged else None
 
 
@@ -644,6 +644,7 @@ def start(args):
     S.shards, S.t_start = shards, time.time()
     S.judged = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
     S.names = None if pre else data.names_set(args.data)  # a set of named pictures: retrieval scores
+    S.real = sample.real_names(S.names, args.image_size) if S.names and S.rank == 0 else None  # (rank 0 samples)
     master = S.rank == 0  # only rank 0 prints, logs, samples and writes files
     S.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
