@@ -1,23 +1,18 @@
-"""data.py -- everything the model eats, in reading order: the built-in captioned dataset and its judge, images <->
-tensors, WebDataset streaming, and the offline tools (`python data.py shards | emoji | precompute`; with no command it
-builds the built-in set and checks the judge). The frozen text encoder and VAE it feeds live in model.py.
+"""data.py -- what the model eats: the built-in shapes and their judge, images <-> tensors, WebDataset streaming.
 
-What it teaches:
-  * a dataset a 2-core CPU learns in minutes *and* a program can grade: coloured shapes at named positions, so
-    "does the picture show what its caption says?" becomes a number (`judge`);
-  * WebDataset streaming by hand: shard shuffle -> split by rank and worker -> tar expansion -> shuffle buffer ->
-    decode -> batch, bad samples skipped and counted. Shards are split by hand (not `wds.split_by_node`) so the
-    order is a pure function of (seed, epoch, rank, worker): that is what makes `--resume` exact;
-  * frozen encoders must not dominate the step: `precompute` runs the VAE (posterior mean) and text encoder once,
-    offline (the seed's profiler found 42% of its 512 px step re-encoding frozen models); its shards keep each
-    caption's real tokens only (fp16) and carry precompute.json, which train.py checks its flags against;
-  * bring your own pictures: any image (transparent, palette, 16-bit grey, a phone photo stored sideways) becomes
-    upright RGB the same way (`to_rgb`), the same images give the same shard bytes, and real pictures with real
-    names come offline from the Noto Color Emoji font (`python data.py emoji OUT`).
+    python data.py                              # build the built-in set; check the judge on it
+    python data.py shards SRC OUT --size 256    # your captioned images -> shards + manifest.json (--verify)
+    python data.py emoji OUT                    # real pictures with real names, offline (Noto Color Emoji)
+    python data.py precompute SRC OUT --vae V   # the frozen encoders, once: fp16 latents + text states
 
-Built-in data: 3 shapes x 6 colours x 5 positions, random size/jitter/background grey, 24,000 images of 32x32 in 16
-shards, captions from 6 templates (2 more held out for eval). The classifier-free guidance "null" caption is
-all-zero tokens with an all-False mask.
+  * built-in data a 2-core CPU learns in minutes *and* a program can grade: 3 shapes x 6 colours x 5 positions
+    (24,000 images of 32 px in 16 shards, 6 caption templates; 2 more held out for evaluation), so "does the
+    picture show what its caption says?" is a number (`judge`);
+  * streaming by hand: shard shuffle -> this rank's and this loader worker's shards -> tar samples -> shuffle
+    buffer -> decode -> batches; a bad sample is skipped and counted. The order is a pure function of (seed,
+    epoch, rank, worker) and a Position records how far each worker got: that is what makes `--resume` exact;
+  * any picture a user brings (transparent, palette, 16-bit, a phone photo stored sideways) becomes upright RGB
+    the same way (`to_rgb`); precompute runs the frozen VAE and text encoder (model.py) once instead of per step.
 """
 import collections
 import contextlib
@@ -27,6 +22,7 @@ import os
 import random
 import shutil
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -146,7 +142,7 @@ def grade(images, attrs):
 
 
 # -----------------------------------------------------------------------------------------------
-# Images <-> tensors, and files written whole
+# Images <-> tensors
 # -----------------------------------------------------------------------------------------------
 BACKGROUND = (255, 255, 255)  # what transparent pixels become: white, the page an emoji or a logo sits on
 
@@ -166,9 +162,8 @@ def encoded(img, fmt, **kw):
 
 
 def to_rgb(img):
-    """Any image as a camera or a drawing program saved it -> upright RGB: EXIF orientation applied (phones store
-    portrait photos sideways), transparency (RGBA, LA, a palette's transparent index) onto BACKGROUND, 16-bit grey
-    scaled to 8 bits, greyscale and palette expanded."""
+    """Any image as saved -> upright RGB: EXIF orientation applied (phones store portraits sideways), transparency
+    (RGBA, LA, a palette's transparent index) onto BACKGROUND, 16-bit grey scaled to 8 bits."""
     img = ImageOps.exif_transpose(img)
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):  # convert("RGB") would clip 16-bit values at 255
         img = Image.fromarray(np.round(np.asarray(img, dtype=np.float64) / 257).clip(0, 255).astype(np.uint8))
@@ -199,66 +194,13 @@ def as_uint8(x):
 
 
 def to_pil(x):
-    """(3, H, W) tensor in [-1, 1] -> PIL image."""
-    return Image.fromarray(as_uint8(x).permute(1, 2, 0).cpu().numpy())
+    """(3, H, W) tensor, uint8 or in [-1, 1] -> PIL image."""
+    return Image.fromarray((x if x.dtype == torch.uint8 else as_uint8(x)).permute(1, 2, 0).cpu().numpy())
 
 
 def stack_uint8(images, size):
     """PIL images -> uint8 (N, 3, size, size), each cropped by to_tensor as a training image is."""
     return as_uint8(torch.stack([to_tensor(im, size) for im in images]))
-
-
-def atomic_write(path, write, keep=None):
-    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
-    given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before a name points at them
-        if keep and os.path.exists(path):
-            os.replace(path, keep)
-        os.replace(tmp, path)
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)  # and so are the renames
-        finally:
-            os.close(fd)
-    finally:  # on any error no .tmp is left behind, and the error goes on
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-
-
-def save_grid(images, path, nrow=8, scale=2):
-    """Tile PIL images into one PNG (upscaled with nearest so 32-px pixels stay visible)."""
-    w, h = images[0].size
-    cols, rows = min(nrow, len(images)), (len(images) + nrow - 1) // nrow
-    grid = Image.new("RGB", (cols * w, rows * h))
-    for i, im in enumerate(images):
-        grid.paste(im, ((i % nrow) * w, (i // nrow) * h))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
-    atomic_write(path, lambda f: grid.save(f, "PNG"))
-
-
-def read_text(path):
-    """A file's text; None where there is no such file."""
-    if os.path.exists(path):
-        with open(path) as f:
-            return f.read()
-
-
-def read_json(path):
-    """A JSON file's value; None where there is no such file."""
-    text = read_text(path)
-    return None if text is None else json.loads(text)
-
-
-def write_json(path, value):
-    """value -> path as JSON (indent 1: readable, diffable)."""
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -295,26 +237,21 @@ def read_tars(urls, handler=wds.reraise_exception):
     return wds.tarfile_samples(({"url": u} for u in urls), handler=handler)
 
 
-def decode_sample(s, size):
-    """Tar sample -> raw {image (3, size, size), caption} or precomputed {latent, text, mask}; raises if unusable."""
-    if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
-        arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
-        if arr["text"].shape[0] != arr["mask"].shape[0]:
-            raise ValueError("text.npy and mask.npy disagree in length")
-        return arr
-    key = next((k for k in ("png", "jpg", "jpeg", "webp") if k in s), None)
-    if key is None or "txt" not in s:
-        raise ValueError("no image (png/jpg/jpeg/webp) in sample" if key is None else "no caption (txt) in sample")
-    return dict(image=to_tensor(open_image(s[key]), size), caption=s["txt"].decode("utf-8"))
-
-
-def decode_or_skip(s, size):
-    """decode_sample(), or None with a warning: one bad sample (undecodable image, no caption) is skipped."""
+def decode(s, size):
+    """Tar sample -> raw {image (3, size, size), caption} or precomputed {latent, text, mask}; None, with a
+    warning, for a bad one (undecodable image, no caption): it is skipped, never a crash."""
     try:
-        return decode_sample(s, size)
+        if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
+            arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
+            if arr["text"].shape[0] != arr["mask"].shape[0]:
+                raise ValueError("text.npy and mask.npy disagree in length")
+            return arr
+        key = next((k for k in ("png", "jpg", "jpeg", "webp") if k in s), None)
+        if key is None or "txt" not in s:
+            raise ValueError(f"no {'image (png/jpg/jpeg/webp)' if key is None else 'caption (txt)'} in sample")
+        return dict(image=to_tensor(open_image(s[key]), size), caption=s["txt"].decode("utf-8"))
     except Exception as e:
         warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
-        return None
 
 
 def shuffled(it, bufsize, rng):
@@ -340,11 +277,9 @@ def collate(items):
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One epoch of batches for one rank, deterministic in (seed, epoch, rank, worker): collate()'s dicts plus where
-    the worker stands, `worker`, `batches` (so far), `raw` (tar samples read, bad ones included) and `skipped`. The
-    trainer keeps the latest per worker as the data position; resuming from it (`resume` = {worker: {batches, raw,
-    skipped}}), each worker passes over its `raw` samples *without decoding them* and yields `batches` placeholders
-    ({"consumed": True}), so the DataLoader interleaves the workers exactly as before, at the cost of a tar read."""
+    """One epoch of one rank's batches: collate()'s dicts, each with where its loader worker stands: `worker`,
+    `batches` so far, `raw` (tar samples read, bad ones included) and `skipped`. `resume` = {worker: those three}
+    continues an epoch: see pass_over."""
 
     def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None):
         super().__init__()
@@ -353,38 +288,42 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.resume = resume or {}
 
     def __iter__(self):
+        """This worker's shards -> tar samples -> shuffle buffer -> decode (bad ones skipped) -> batches of B."""
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        rng = random.Random(f"samples-{self.seed}-{self.epoch}-{self.rank}-{wid}")
-        skipped = 0
-
-        def on_error(exn):  # a truncated/corrupt tar: warn, count, go on with the next shard
-            nonlocal skipped
-            skipped += 1
-            warnings.warn(f"skipping unreadable shard data: {exn!r}")
-            return True
-
         mine = worker_shards(self.shards, self.seed, self.epoch, self.rank, self.world, wid, nw)
-        stream = shuffled(read_tars(mine, handler=on_error), self.buffer, rng)
+        rng = random.Random(f"samples-{self.seed}-{self.epoch}-{self.rank}-{wid}")
+        self.skipped = 0
+        stream = shuffled(read_tars(mine, handler=self.unreadable), self.buffer, rng)
         done = self.resume.get(wid, dict(batches=0, raw=0, skipped=0))
-        for _ in zip(range(done["raw"]), stream):  # resume: consumed samples, read but not decoded
-            pass
-        raw, skipped = done["raw"], done["skipped"]  # (errors met while passing over were counted before)
-        for _ in range(done["batches"]):
-            yield dict(consumed=True, worker=wid)
-        items = []
+        yield from self.pass_over(stream, done, wid)
+        raw, self.skipped, items = done["raw"], done["skipped"], []  # (what pass_over met was counted before)
         for s in stream:
             raw += 1
-            item = decode_or_skip(s, self.size)
+            item = decode(s, self.size)
             if item is None:
-                skipped += 1
+                self.skipped += 1
                 continue
             items.append(item)
             if len(items) == self.B:
-                done = dict(batches=done["batches"] + 1, raw=raw, skipped=skipped)
+                done = dict(batches=done["batches"] + 1, raw=raw, skipped=self.skipped)
                 yield dict(collate(items), worker=wid, **done)
                 items = []
         # the final partial batch is dropped so every step sees the same batch size
+
+    def unreadable(self, exn):
+        """read_tars' handler: a truncated or corrupt tar is warned about and counted; the next shard is read."""
+        self.skipped += 1
+        warnings.warn(f"skipping unreadable shard data: {exn!r}")
+        return True
+
+    def pass_over(self, stream, done, wid):
+        """Resume: read the worker's `raw` consumed samples *without decoding them*, then yield `batches`
+        placeholders, so the DataLoader interleaves the workers exactly as before, at the cost of a tar read."""
+        for _ in zip(range(done["raw"]), stream):
+            pass
+        for _ in range(done["batches"]):
+            yield dict(consumed=True, worker=wid)
 
 
 def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, workers=1, resume=None):
@@ -393,6 +332,36 @@ def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, wo
     # an explicit generator keeps DataLoader from drawing its base seed from the global RNG
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
                                        generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass
+class Position:
+    """Where one rank stands in its data: every checkpoint saves it, so a resume reads on from exactly there."""
+    epoch: int = 0                                # epochs finished
+    batch_in_epoch: int = 0                       # batches taken from this one
+    workers: dict = field(default_factory=dict)   # loader worker -> its {batches, raw, skipped} in this epoch
+    skipped_before: int = 0                       # bad samples skipped in the finished epochs
+    skipped: int = 0                              # ... and in all
+
+
+def batches(shards, batch_size, image_size, seed, rank, world, workers, pos):
+    """One rank's endless batches, epoch after epoch, from Position `pos` on, which they keep up to date."""
+    while True:
+        loader = make_loader(shards, batch_size, image_size, seed, pos.epoch, rank, world, workers,
+                             resume=dict(pos.workers))
+        for i, b in enumerate(loader):
+            if (i < pos.batch_in_epoch) != ("consumed" in b):  # placeholders stand where consumed batches stood
+                raise RuntimeError(f"resume: epoch {pos.epoch} item {i} is not where the checkpoint put it")
+            if i < pos.batch_in_epoch:
+                continue
+            pos.workers[b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped")}
+            pos.skipped = pos.skipped_before + sum(w["skipped"] for w in pos.workers.values())
+            pos.batch_in_epoch = i + 1
+            yield b
+        if pos.batch_in_epoch == 0:  # a whole epoch without one full batch: waiting longer cannot help
+            raise SystemExit(no_batch_message(shards, batch_size, seed, pos.epoch, rank, world, workers))
+        pos.skipped_before = pos.skipped
+        pos.epoch, pos.batch_in_epoch, pos.workers = pos.epoch + 1, 0, {}
 
 
 def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
@@ -406,9 +375,51 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
             f"fewer --workers or ranks, or more data.")
 
 
-# -----------------------------------------------------------------------------------------------
-# Offline tools: shard converter, emoji set, precompute, verify; their command line at the bottom
-# -----------------------------------------------------------------------------------------------
+# ===============================================================================================
+# What a first read may skip: files written whole, offline tools (shard converter, emoji set, precompute),
+# the real pictures that scores compare with, and the command line
+# ===============================================================================================
+def atomic_write(path, write, keep=None):
+    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
+    given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before a name points at them
+        if keep and os.path.exists(path):
+            os.replace(path, keep)
+        os.replace(tmp, path)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)  # and so are the renames
+        finally:
+            os.close(fd)
+    finally:  # on any error no .tmp is left behind, and the error goes on
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def read_text(path):
+    """A file's text; None where there is no such file."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
+
+
+def read_json(path):
+    """A JSON file's value; None where there is no such file."""
+    text = read_text(path)
+    return None if text is None else json.loads(text)
+
+
+def write_json(path, value):
+    """value -> path as JSON (indent 1: readable, diffable)."""
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+
+
 def list_images(src):
     """Image folder (captions in sidecar .txt, stripped) or a .csv / .jsonl of path,caption (paths relative to that
     file's folder) -> [(path, caption)]; caption None where there is none."""
@@ -555,18 +566,32 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
     write_json(os.path.join(out, "names.json"), dict(names=names, images=images, heldout=EMOJI_HELDOUT,
                wordings=EMOJI_WORDINGS, size=size, background=BACKGROUND, categories=list(categories)))
     print(f"{len(names)} names x {len(EMOJI_WORDINGS)} wordings -> {out}; held-out wording: {EMOJI_HELDOUT!r}")
-    import sample  # its scorer (retrieval, FID/KID) needs a feature network trained on these pictures: now, once
-    names = names_set(out)
-    sample.name_net(names, sample.real_names(names, size))
     return manifest
 
 
-def names_set(folder):
-    """The names.json that `python data.py emoji` writes beside its shards (None for other data)."""
-    if not (isinstance(folder, str) and os.path.isdir(folder)):  # (also 'builtin' and comma-separated paths)
+def names_set(folder, size):
+    """A names set (`python data.py emoji` writes names.json beside its shards) with its one real picture per name,
+    prepared as the converter prepares it, as uint8 (N, 3, size, size) under "real"; None for other data."""
+    names = read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None  # (also 'builtin')
+    if names is None:
         return None
-    names = read_json(os.path.join(folder, "names.json"))
-    return None if names is None else dict(names, root=folder)
+    real = stack_uint8([open_image(os.path.join(folder, p)) for p in names["images"]], size)
+    return dict(names, root=folder, real=real)
+
+
+def real_images(shards, size, n, seed=0):
+    """n samples of raw shards (shuffled, bad ones skipped) -> (uint8 (n, 3, size, size), their captions)."""
+    images, captions = [], []
+    for b in ShardStream(resolve_shards(shards, size), 1, size, seed=seed):
+        if "image" not in b:
+            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} shards")
+        images.append(b["image"][0])
+        captions.append(b["caption"][0])
+        if len(images) == n:
+            break
+    if len(images) < 2:
+        raise SystemExit(f"--real {shards!r}: FID needs at least 2 real images, found {len(images)}")
+    return as_uint8(torch.stack(images)), captions
 
 
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
@@ -591,7 +616,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
         with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
             samples = list(read_tars([shard], handler=lambda e: warnings.warn(repr(e)) or True))
             for i in range(0, len(samples), batch_size):
-                part = [(s, decode_or_skip(s, image_size)) for s in samples[i:i + batch_size]]
+                part = [(s, decode(s, image_size)) for s in samples[i:i + batch_size]]
                 ok = [(s, x) for s, x in part if x is not None]
                 skipped += len(part) - len(ok)
                 if not ok:
@@ -615,8 +640,7 @@ def precomputed_meta(folder):
 
 if __name__ == "__main__":
     import argparse
-    p = argparse.ArgumentParser(description="Built-in data check (no arguments), shard converter, emoji set, "
-                                "precompute.")
+    p = argparse.ArgumentParser(description="Built-in data check (no command), shard converter, emoji set, precompute.")
     sub = p.add_subparsers(dest="cmd")
     s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json")
     s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption "
@@ -628,8 +652,7 @@ if __name__ == "__main__":
     s.add_argument("--verify", action="store_true", help="only check <out> against its manifest.json")
     e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
     e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
-    e.add_argument("--categories", default="animals,food",
-                   help=f"comma-separated: {', '.join(EMOJI_CATEGORIES)} or all")
+    e.add_argument("--categories", default="animals,food", help=f"comma-separated {','.join(EMOJI_CATEGORIES)} or all")
     e.add_argument("--size", type=int, default=32, help="square side in pixels of the shards' images")
     e.add_argument("--font", default=EMOJI_FONT, help="a colour emoji font with 109-px bitmaps (Noto Color Emoji)")
     c = sub.add_parser("precompute", help="raw shards -> shards of fp16 latents + text states + mask")
@@ -652,6 +675,6 @@ if __name__ == "__main__":
         precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
     else:  # no command: build (or find) the built-in data, and check the judge on it
         shards = resolve_shards(BUILTIN, 32)
-        print(f"{len(shards)} shards; judge on the images of the first two shards:")
         samples = list(read_tars(shards[:2]))
-        print(grade([open_image(s["png"]) for s in samples], [json.loads(s["json"]) for s in samples]))
+        print(f"{len(shards)} shards; the judge on the images of the first two:",
+              grade([open_image(s["png"]) for s in samples], [json.loads(s["json"]) for s in samples]))
