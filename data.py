@@ -18,6 +18,7 @@ import collections
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -418,6 +419,19 @@ def write_json(path, value):
     """value -> path as JSON (indent 1: readable, diffable)."""
     with open(path, "w") as f:
         json.dump(value, f, indent=1)
+
+
+def append_json(f, rec):
+    """One JSON line to an open file (log.jsonl), flushed; NaN and inf become null, since bare NaN is not JSON."""
+    def finite(x):
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+    if f:
+        f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
+        f.flush()
 
 
 def list_images(src):

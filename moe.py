@@ -1,40 +1,28 @@
-"""moe.py -- DiT-MoE's sparse MLP: router, experts, shared experts, balance loss, two dispatches.
+"""moe.py -- DiT-MoE's sparse MLP: router, experts, shared experts, balancing, three dispatches.
 
-A mixture of experts replaces one big MLP by E smaller ones and lets each token use only k of
-them (Shazeer et al. 2017; Switch, Fedus et al. 2021; DiT-MoE, Fei et al. 2024):
+A mixture of experts replaces one big MLP by E smaller ones and lets each token use only k of them (Shazeer et
+al. 2017; Switch, Fedus et al. 2021; DiT-MoE, Fei et al. 2024):
 
-    router      p = softmax(x W_r^T)                        (T, E)   one distribution per token
-    top-k       (w, idx) = topk(p, k),  w <- w / sum(w)     (T, k)   renormalised (see below)
-    output      y = sum_j w_j Expert_idx_j(x) + Shared(x)            shared experts see every token
-    balance     L = alpha E sum_i f_i P_i                            f_i: share of the T*k assignments
-                                                                     that went to expert i,
-                                                                     P_i: mean router prob. of i
+    router      p = softmax(x W_r^T)                       (T, E)  one distribution per token
+    top-k       (w, idx) = topk(p, k),  w <- w / sum(w)    (T, k)  renormalised, as Mixtral: the same scale for
+                                                                   any E and k, and an upcycled model starts equal
+    output      y = sum_j w_j Expert_idx_j(x) + Shared(x)          shared experts see every token
+    balance     L = alpha E sum_i f_i P_i                          f_i: share of the T*k assignments to expert i,
+                                                                   P_i: mean router probability of i
 
-L = alpha at uniform routing (f_i = P_i = 1/E). It is not the minimum: skewed routing can go below it
-(f = (0.9, 0.1), P = (0.46, 0.54) gives 0.93 alpha), but its gradient, through P only (f is a count),
-lowers the probability of each expert in proportion to its load, which pushes toward balance.
-alpha = 0.01 and 2 shared experts are DiT-MoE's values.
+L = alpha at uniform routing. It is not the minimum (f = (0.9, 0.1), P = (0.46, 0.54) gives 0.93 alpha), but its
+gradient, through P only (f is a count), lowers each expert's probability in proportion to its load: toward balance.
+alpha = 0.01 and 2 shared experts are DiT-MoE's values; by default an expert is dense_hidden / (k + shared) wide,
+so a token uses as many MLP parameters as the dense model. `--balance bias` is DeepSeek-V3's loss-free balancing
+instead: a per-expert bias b on the probabilities picks the top k (the gate weights stay unbiased, so no gradient
+is bent), and after each step b_i += gamma sign(mean load - load_i), the loads of the whole global batch.
 
-Decisions recorded here:
-  * top-k weights are renormalised to sum to 1 (as Mixtral), so a token's routed output has the
-    same scale whatever E and k are, and an upcycled model starts exactly equal to its dense parent.
-  * expert width: by default each expert has hidden = dense_hidden / (k + shared), so the active
-    (per-token) MLP parameters equal the dense MLP's; the total grows with E.
-  * two ways to balance, one flag (`--balance`): `aux`, the Switch loss above (DiT-MoE); `bias`,
-    DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias b is added to the router
-    probabilities for the top-k CHOICE only (the gate weights stay the unbiased probabilities, so no
-    gradient is bent toward balance), and after each step b_i += gamma * sign(mean load - load_i),
-    with the loads of the whole global batch (nudge_biases; train.py sums them over ranks).
-  * three dispatches, one flag (`--moe-impl`), equal outputs and gradients (tested):
-    `loop` is the readable reference (for every expert, find its tokens with a boolean mask, run
-    it, add the weighted result back: DiT-MoE's training path); `sorted` sorts the T*k (token,
-    expert) assignments by expert once, runs every expert on one contiguous slice, and scatters
-    back in one index_add (the CPU default: E small matmuls are what a CPU is good at);
-    `grouped` (the CUDA default) lays the same sorted rows out in a buffer of fixed size, each
-    expert's group padded to a multiple of ALIGN rows, and runs all experts' W13, then all W2, as
-    ONE grouped GEMM each (`F.grouped_mm`, torchtitan's design). Every shape in it is fixed by
-    (T, k, E): no host sync (loop and sorted read the counts on the host), one compile, no
-    recompiles. Loop and sorted run eagerly under torch.compile (their shapes change every step).
+Three dispatches (`--moe-impl`), equal outputs and gradients: `loop`, the readable reference (per expert, mask its
+tokens, run it, add back: DiT-MoE's); `sorted` (CPU default), the T*k assignments sorted by expert once, one slice
+per expert, one index_add back; `grouped` (CUDA default), the same rows in a fixed-size buffer, each expert's group
+padded to ALIGN rows, all experts' W13 then W2 as ONE grouped GEMM each (F.grouped_mm, torchtitan's design): its
+shapes depend on (T, k, E) only, so no host sync and no recompiles. Loop and sorted read counts on the host and run
+eagerly under torch.compile.
 """
 import torch
 import torch.nn as nn
@@ -205,13 +193,9 @@ def count_active(model):
 
 @torch.no_grad()
 def upcycle(model, dense_state):
-    """Dense checkpoint -> MoE model (DiT-MoE's upcycling): every expert a copy of the dense MLP.
-
-    Everything else is copied as is; routers keep their fresh init and the shared experts their
-    zero output projection, so with renormalised top-k weights the first forward equals the dense
-    model's. Symmetry between the identical experts is broken by routing: each expert receives
-    different tokens, hence different gradients, from the first step.
-    """
+    """Dense checkpoint -> MoE model (DiT-MoE's upcycling): every expert a copy of the dense MLP, the rest copied;
+    routers fresh and shared experts at zero output, so the first forward equals the dense model's. Routing breaks
+    the symmetry: each expert gets different tokens, hence different gradients. -> tensors copied."""
     state = model.state_dict()
     copied = {k: v for k, v in dense_state.items() if k in state and state[k].shape == v.shape}
     state.update(copied)
@@ -230,10 +214,8 @@ def upcycle(model, dense_state):
 
 
 def nudge_biases(model, loads, rate, skip=None):
-    """--balance bias, after an optimizer step: each layer's bias moves by `rate` toward its
-    under-loaded experts, b_i += rate * sign(mean load - load_i) (DeepSeek-V3, gamma = 0.001).
-    loads (layers, E): this step's assignments per expert, already summed over micro-batches and
-    ranks. skip: a device bool, no nudge when set (a skipped step). All on the device."""
+    """--balance bias, after a step: b_i += rate * sign(mean load - load_i) in every layer (DeepSeek-V3's gamma =
+    0.001); loads (layers, E) summed over micro-batches and ranks; no nudge where `skip` (a device bool) is set."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.balance == "bias"]
     with torch.no_grad():
         for m, load in zip(layers, loads):

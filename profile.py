@@ -1,73 +1,74 @@
-"""profile.py -- measure, don't guess: one training step timed by phase, and one flag flipped
-side by side.
+"""profile.py -- measure, don't guess: one training step timed by phase, and one flag flipped side by side.
 
-    python profile.py compute                        # fwd / bwd / optimiser ms, images/s, peak memory
+    python profile.py compute                        # fwd / bwd / optimizer ms, images/s, peak memory, MFU
     python profile.py compute --moe 8 --trace        # + a torch.profiler Chrome trace
-    python profile.py --compare moe=0,8              # each setting in a fresh process, alternating
-    python profile.py --compare moe-impl=loop,sorted --moe 8 --markdown
+    python profile.py --compare moe=0,8 --markdown   # each setting in fresh processes, alternating: a ratio table
     python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
-    python profile.py suite                          # every README claim on this device: markdown tables
+    python profile.py suite                          # every claim of the README on this device, one table each
 
-Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the
-default run with one flag flipped". Each measurement runs in a fresh process, so memory is clean;
-settings alternate and repeat so that a noisy neighbour hurts both alike. Results are written to
-<out>/profile/*.json and Chrome traces to <out>/profile/*.trace.json (open in chrome://tracing or
-Perfetto). On CPU, "peak memory" is the growth of the process's peak RSS over its RSS just before
-the first step (the step's own working memory); on CUDA it is the allocator's peak.
+Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the default run with
+one flag flipped". Each measurement runs in a fresh process, so memory is clean; settings alternate and repeat, so
+a noisy neighbour hurts both alike. Results go to <out>/profile/*.json, Chrome traces to *.trace.json (open them in
+Perfetto). "Peak memory" is the allocator's peak on CUDA; on a CPU, the growth of the process's peak RSS over its
+RSS before the first step (the step's own working memory).
 """
-# This file keeps its name (the README's commands use it). Run from the repo root it shadows the standard library's
-# `profile`, which `cProfile` imports (and torch._dynamo, hence torch.compile, imports cProfile).
-# So when it is imported under that name, it hands the standard module over: sys.modules then
-# holds the real one, which is what `import profile` returns. Nothing heavy runs at import time.
+# Run from the repo root, this file shadows the standard library's `profile`, which `cProfile` imports (and so do
+# torch._dynamo and torch.compile). So when it is imported under that name it hands the standard module over:
+# sys.modules then holds the real one, which is what `import profile` returns, and nothing else is imported.
 import sys
 
 if __name__ == "profile":
     import importlib.util
     import os
     import sysconfig
-    _spec = importlib.util.spec_from_file_location(
-        "profile", os.path.join(sysconfig.get_paths()["stdlib"], "profile.py"))
+    _spec = importlib.util.spec_from_file_location("profile", os.path.join(sysconfig.get_paths()["stdlib"],
+                                                                          "profile.py"))
     sys.modules["profile"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["profile"])
+else:  # run as a script, or imported under another name
+    import json
+    import os
+    import random
+    import resource
+    import statistics
+    import subprocess
+    import tempfile
+    import time
 
-import json
-import os
-import random
-import statistics
-import subprocess
-import tempfile
-import time
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import data
+    import train
+    from model import count_params, device
+    from moe import MoE
 
 PHASES = ("forward", "backward", "optimizer")
 CLAIMS = ("attn", "moe-impl", "moe", "compile", "compile-moe", "precision", "full-size", "loader")
 
 
 def get_args(argv=None):
-    import train
     p = train.get_parser()
     p.description = "Profile one training step of train.py, or compare two settings of one flag."
-    p.add_argument("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader", "suite"],
-                   help="compute: the model step on a fixed batch; full: the real loop (data wait, frozen encoders, "
-                   "forward, backward, optimizer); dataloader: the input pipeline alone vs the model; suite: every "
-                   "one-flag comparison of the README, sized for the device found (tiny on a CPU)")
-    p.add_argument("--claims", default="all", help="suite: comma-separated subset of " + ",".join(CLAIMS))
-    p.add_argument("--synthetic", default=None, help="compute on random inputs of shape C,SIDE,L,DTEXT instead of "
-                   "built-in images (e.g. 4,64,77,768: SD-VAE latents of 512 px and CLIP-L text states)")
-    p.add_argument("--loader-batches", type=int, default=50, help="dataloader: batches timed")
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s of the device for MFU (GPUs in "
-                   "PEAK_TFLOPS are known)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps (after the warm-up)")
-    p.add_argument("--warmup-iters", type=int, default=3, help="untimed steps first")
-    p.add_argument("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
-    p.add_argument("--compare", default=None, help="FLAG=A,B[,C]: run each setting of a train.py flag in a fresh "
-                   "process (on/off for switches such as compile=off,on; nproc=1,2 for the world size under "
-                   "torchrun, 1 thread per process; dist=ddp,deepspeed with 2 ranks each; grad-accum=1,4 keeps the global batch: "
-                   "--batch-size / accum per micro-batch) and print a ratio table")
-    p.add_argument("--repeats", type=int, default=None, help="--compare: runs per setting, alternating (default 3; "
-                   "suite: 2 on a GPU, 1 on a CPU)")
-    p.add_argument("--markdown", action="store_true", help="--compare: print the table as Markdown")
-    p.add_argument("--json", default=None, help="write the result JSON here (used by --compare)")
+    a = p.add_argument
+    a("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader", "suite"], help="compute: the "
+      "model step on a fixed batch; full: the real loop (data wait, frozen encoders, step); dataloader: the input "
+      "pipeline alone vs the model; suite: every one-flag comparison of the README, sized for the device found")
+    a("--claims", default="all", help="suite: comma-separated subset of " + ",".join(CLAIMS))
+    a("--synthetic", help="random inputs of shape C,SIDE,L,DTEXT instead of built-in images (e.g. 4,64,77,768: "
+      "SD-VAE latents of 512 px and CLIP-L text states)")
+    a("--loader-batches", type=int, default=50, help="dataloader: batches timed")
+    a("--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (GPUs in PEAK_TFLOPS are known)")
+    a("--iters", type=int, default=10, help="timed steps (after the warm-up)")
+    a("--warmup-iters", type=int, default=3, help="untimed steps first")
+    a("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
+    a("--compare", help="FLAG=A,B[,C]: each setting of a train.py flag in fresh processes, then a ratio table; "
+      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,deepspeed: "
+      "2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
+    a("--repeats", type=int, help="--compare: runs per setting, alternating (default 3; suite: 2 on a GPU, 1 on CPU)")
+    a("--markdown", action="store_true", help="--compare: print the table as Markdown")
+    a("--json", help="write the result JSON here (used by --compare)")
     return train.get_args(argv, parser=p)
 
 
@@ -83,11 +84,8 @@ def rss_mb():
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
-def fixed_batch(args, S):
+def fixed_batch(args, run):
     """One real built-in batch, encoded once: `compute` then times the model alone."""
-    import torch
-
-    import data
     rng = random.Random(args.seed)
     caps, imgs = [], []
     for _ in range(args.batch_size):  # real images: MoE routing depends on what the tokens show
@@ -95,20 +93,17 @@ def fixed_batch(args, S):
         caps.append(cap)
         imgs.append(data.to_tensor(data.render(a["color"], a["shape"], a["position"], args.image_size, rng),
                                    args.image_size))
-    S.encoder(caps)  # fill the cache
+    run.encoder(caps)  # fill the cache
     return dict(image=torch.stack(imgs), caption=caps)
 
 
-def run_steps(S, args, n, get_batch, times=None):
+def run_steps(run, args, n, get_batch, times=None):
     """n training steps of train.py; if `times` is given, append each phase's seconds to it."""
-    import torch
-
-    import train
     for _ in range(n):
         last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
         def mark(phase):
-            if S.dev == "cuda":
+            if run.dev == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
             step[phase] = step.get(phase, 0.0) + now - last[0]
@@ -117,99 +112,92 @@ def run_steps(S, args, n, get_batch, times=None):
         for _ in range(args.grad_accum):
             b = get_batch()
             mark("data_wait")
-            micro.append(train.encode_batch(S, b))  # frozen VAE + text encoder, or precomputed
+            micro.append(train.encode_batch(run, b))  # frozen VAE + text encoder, or precomputed
             mark("encoders")
-        train.train_step(S, args, micro, mark)
+        train.train_step(run, args, micro, mark)
         for phase, sec in step.items():
             if times is not None:
                 times.setdefault(phase, []).append(sec)
 
 
-def flops_per_step(S, args, batch):
+def flops_per_step(run, args, batch):
     """FLOPs of one training step of the DiT (frozen encoders not counted), by torch's FlopCounterMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import train
-    from moe import MoE
-    state = {k: getattr(S, k).state_dict() for k in ("model", "ema", "opt", "sched")}
-    micro = [train.encode_batch(S, batch)] * args.grad_accum
+    state = {k: getattr(run, k).state_dict() for k in ("model", "ema", "opt", "sched")}
+    micro = [train.encode_batch(run, batch)] * args.grad_accum
     # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
     # dispatch instead (useful FLOPs, without the padding rows), on the eager model
-    impls, fwd, bad = {m: m.impl for m in S.model.modules() if isinstance(m, MoE)}, S.fwd, S.bad
+    impls, fwd, bad = {m: m.impl for m in run.model.modules() if isinstance(m, MoE)}, run.fwd, run.bad
     for m in impls:
         m.impl = "sorted"
-    S.fwd = S.model if args.compile else fwd
+    run.fwd = run.model if args.compile else fwd
     with FlopCounterMode(display=False) as fc:
-        train.train_step(S, args, micro)
+        train.train_step(run, args, micro)
     for k, v in state.items():  # that step was only counted: undo it
-        getattr(S, k).load_state_dict(v)
+        getattr(run, k).load_state_dict(v)
     for m, impl in impls.items():
         m.impl = impl
-    S.step, S.fwd, S.bad = S.step - 1, fwd, bad
+    run.step, run.fwd, run.bad = run.step - 1, fwd, bad
     return fc.get_total_flops()
+
+
+def loader_alone(args):
+    """The input pipeline alone, no model running -> images/s and seconds to the first batch."""
+    shards, B = data.resolve_shards(args.data, args.image_size), args.batch_size
+    t0, n = time.perf_counter(), 0
+    for i, b in enumerate(data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)):
+        if i == 0:
+            t0, first = time.perf_counter(), time.perf_counter() - t0
+        elif i <= args.loader_batches:
+            n += B
+        else:
+            break
+    return dict(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
 
 
 def measure(args):
     """compute | full | dataloader -> result dict (also written as JSON under <out>/profile/)."""
-    import resource
 
-    import torch
 
-    import data
-    import train
-    from model import count_params
     shape = [int(v) for v in args.synthetic.split(",")] if args.synthetic else None  # C, side, L, D_text
-    S = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
-    dev, B = S.dev, args.batch_size
-    if shape:  # random latents and text states, as precomputed shards would give them (encoders skipped)
-        g = torch.Generator().manual_seed(args.seed)
-        batch = dict(latent=torch.randn(B, shape[0], shape[1], shape[1], generator=g), mask=torch.ones(B, shape[2], dtype=torch.bool),
-                     text=torch.randn(B, shape[2], shape[3], generator=g))
+    run = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
+    if shape:  # random latents and text states, as precomputed shards would give them (the encoders are skipped)
+        g, (C, side, L, D_text), B = torch.Generator().manual_seed(args.seed), shape, args.batch_size
+        batch = dict(latent=torch.randn(B, C, side, side, generator=g), text=torch.randn(B, L, D_text, generator=g),
+                     mask=torch.ones(B, L, dtype=torch.bool))
     else:
-        batch = fixed_batch(args, S)
-    res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
-               device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", threads=torch.get_num_threads())
-    res["params"], res["active_params"] = count_params(S.model)
+        batch = fixed_batch(args, run)
+    get_batch = lambda: batch
     if args.mode == "full":  # the real loop: loader, text encoder (cached), the step
-        shards = data.resolve_shards(args.data, args.image_size)
-        it = train.batches(args, S, shards)
-        get_batch = lambda: next(it)
-    else:
-        get_batch = lambda: batch
-    if args.mode == "dataloader":  # the input pipeline alone, no model running
-        shards = data.resolve_shards(args.data, args.image_size)
-        t0, n = time.perf_counter(), 0
-        for i, b in enumerate(data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)):
-            if i == 0:
-                t0, first = time.perf_counter(), time.perf_counter() - t0
-            elif i <= args.loader_batches:
-                n += B
-            else:
-                break
-        res.update(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
+        stream = data.batches(data.resolve_shards(args.data, args.image_size), args.batch_size, args.image_size,
+                              args.seed, run.rank, run.world, args.workers, run.position)
+        get_batch = lambda: next(stream)
+    res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
+               device=torch.cuda.get_device_name() if run.dev == "cuda" else "cpu", threads=torch.get_num_threads(),
+               world=run.world)
+    res["params"], res["active_params"] = count_params(run.model)
+    if args.mode == "dataloader":
+        res.update(loader_alone(args))
     base = rss_mb()
-    run_steps(S, args, args.warmup_iters, get_batch)
-    if dev == "cuda":
+    run_steps(run, args, args.warmup_iters, get_batch)
+    if run.dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = {}
-    run_steps(S, args, args.iters, get_batch, times)
-    res["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20 if dev == "cuda" else \
+    run_steps(run, args, args.iters, get_batch, times)
+    res["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20 if run.dev == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     step = [sum(ts) for ts in zip(*times.values())]
     res.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
-    res.update(step_ms=1e3 * statistics.median(step),
-               img_per_s=B * args.grad_accum * S.world / statistics.median(step),
-               share={k: sum(v) / sum(step) for k, v in times.items()}, world=S.world)
+    res.update(step_ms=1e3 * statistics.median(step), share={k: sum(v) / sum(step) for k, v in times.items()},
+               img_per_s=args.batch_size * args.grad_accum * run.world / statistics.median(step))
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
-    res["flops_per_step"] = flops_per_step(S, args, batch)
-    res["opt_state_mb"] = train.optimizer_bytes(S.opt) / 2 ** 20  # this rank's share (ZeRO)
-    if S.world > 1 and S.engine is None:  # DDP communication = what the all-reduce adds: the same steps without it
+    res["flops_per_step"] = flops_per_step(run, args, batch)
+    res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
+    if run.world > 1 and run.engine is None:  # DDP communication = what the all-reduce adds: the same steps without
         quiet = {}
-        with S.fwd.no_sync():  # (replicas drift apart from here on; nothing is saved)
-            run_steps(S, args, args.iters, get_batch, quiet)
-        alone = statistics.median(sum(ts) for ts in zip(*quiet.values()))
-        res["communication_ms"] = res["step_ms"] - 1e3 * alone
+        with run.fwd.no_sync():  # (replicas drift apart from here on; nothing is saved)
+            run_steps(run, args, args.iters, get_batch, quiet)
+        res["communication_ms"] = res["step_ms"] - 1e3 * statistics.median(sum(ts) for ts in zip(*quiet.values()))
         res["communication_share"] = res["communication_ms"] / res["step_ms"]
     res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
@@ -217,36 +205,36 @@ def measure(args):
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
-        with profile(activities=acts) as prof:
-            run_steps(S, args, 2, get_batch)
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (run.dev == "cuda")) as prof:
+            run_steps(run, args, 2, get_batch)
         res["trace"] = os.path.join(args.out, "profile", f"{args.mode}.trace.json")
-        if S.rank == 0:
+        if run.rank == 0:
             prof.export_chrome_trace(res["trace"])
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    if S.rank:  # rank 0 reports
+    if run.rank:  # rank 0 reports
         train.leave_distributed()
     with open(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(" | ".join(f"{k} {v:.1f} ms ({100 * res['share'][k]:.1f}%)" for k, v in
-                     ((k, res[k + "_ms"]) for k in times)) + f" | step {res['step_ms']:.1f} ms")
-    print(f"{res['img_per_s']:.0f} img/s | peak {res['peak_mem_mb']:.0f} MB | {res['params'] / 1e6:.2f}M params "
-          f"({res['active_params'] / 1e6:.2f}M active) | {res['achieved_tflops'] * 1e3:.1f} GFLOP/s achieved"
-          + (f" | MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""))
-    if args.mode == "dataloader":
-        print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
-              f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
-    if "communication_ms" in res:
-        print(f"{S.world} ranks: communication {res['communication_ms']:.1f} ms "
-              f"({100 * res['communication_share']:.1f}% of the step)")
-    if S.world > 1:
+    print_result(res, times)
+    if run.world > 1:
         train.leave_distributed()
     return res
 
 
-# -----------------------------------------------------------------------------------------------
-# --compare FLAG=A,B: fresh processes, alternating, repeated; a ratio table
-# -----------------------------------------------------------------------------------------------
+def print_result(res, times):
+    """measure()'s result, a few lines for a reader."""
+    print(" | ".join(f"{k} {res[k + '_ms']:.1f} ms ({100 * res['share'][k]:.1f}%)" for k in times) + f" | step "
+          f"{res['step_ms']:.1f} ms | {res['img_per_s']:.0f} img/s | peak {res['peak_mem_mb']:.0f} MB | "
+          f"{res['params'] / 1e6:.2f}M params ({res['active_params'] / 1e6:.2f}M active) | "
+          f"{res['achieved_tflops'] * 1e3:.1f} GFLOP/s" + (f" | MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""))
+    if res["mode"] == "dataloader":
+        print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
+              f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
+    if "communication_ms" in res:
+        print(f"{res['world']} ranks: communication {res['communication_ms']:.1f} ms "
+              f"({100 * res['communication_share']:.1f}% of the step)")
+
+
 def strip(argv, with_value, switches=()):
     """argv without the given options (and the values of those in `with_value`)."""
     out, skip = [], False
@@ -263,71 +251,74 @@ def strip(argv, with_value, switches=()):
 def compare(args, argv):
     """Each value of FLAG in fresh processes, alternating -> (medians per value, the printed table)."""
     flag, values = args.compare.split("=", 1)
-    values, repeats = values.split(","), args.repeats or 3
+    values, repeats, me = values.split(","), args.repeats or 3, os.path.abspath(__file__)
     base = strip(argv, {"--compare", "--repeats", "--json"}, {"--markdown", "--trace"})
     runs = {v: [] for v in values}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
             for v in values:
+                out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")  # (a value may be a path)
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
                 if flag == "grad-accum":  # the same global batch: accum x micro-batch = --batch-size
                     extra += ["--batch-size", str(args.batch_size // int(v))]
-                out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")  # (a value may be a path)
-                cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
-                env = dict(os.environ)
+                cmd, env = [sys.executable, me, *base, *extra, "--json", out], dict(os.environ)
                 if flag in ("nproc", "dist"):  # N processes x 1 thread each under torchrun (dist: 2 ranks)
-                    env["OMP_NUM_THREADS"] = "1"
                     n, mode = (v, "ddp") if flag == "nproc" else ("1" if v == "none" else "2", v)
-                    cmd = [sys.executable, os.path.abspath(__file__), *base, "--json", out] if n == "1" else [
+                    env["OMP_NUM_THREADS"] = "1"
+                    cmd = [sys.executable, me, *base, "--json", out] if n == "1" else [
                         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port",
-                        str(29500 + r), os.path.abspath(__file__), *base, "--dist", mode, "--json", out]
+                        str(29500 + r), me, *base, "--dist", mode, "--json", out]
                 print(f"[{r + 1}/{repeats}] --{flag} {v}", file=sys.stderr, flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-                runs[v].append(json.load(open(out)))
-    phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
-    first = runs[values[0]][0]
-    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "opt_state_mb", "achieved_tflops"]
-    keys += ["mfu"] * (first["mfu"] is not None) + ["loader_img_per_s"] * (args.mode == "dataloader")
-    rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
-    ref = rows[values[0]]
-    head = ([f"--{flag}"] + [k.replace("_ms", " ms") for k in keys[:len(phases) + 1]] +
-            ["img/s", "peak MB", "optimizer state MB/rank", "TFLOP/s"] + ["MFU"] * ("mfu" in keys) +
-            ["loader img/s"] * (args.mode == "dataloader") + [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
-    lines = []
-    for v, row in rows.items():
-        lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
-        lines.append([v] + [f"{row[k]:.1f}" for k in keys[:len(phases)]] + [
-                     f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}",
-                     f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
-                     ([f"{100 * row['mfu']:.1f}%"] if "mfu" in keys else []) +
-                     ([f"{row['loader_img_per_s']:.0f}"] if args.mode == "dataloader" else []) + [f"{row['step_ms'] / ref['step_ms']:.2f}×",
-                     f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
-    if args.markdown:
-        text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(l) + " |" for l in lines]
-    else:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-        text = ["  ".join(str(x).rjust(w) for x, w in zip(l, widths)) for l in [head] + lines]
-    if flag == "nproc":  # scaling efficiency: N ranks' images/s over N times one rank's
-        for v in values[1:]:
-            comm = statistics.median(r["communication_share"] for r in runs[v])
-            eff = rows[v]["img_per_s"] / (int(v) * rows[values[0]]["img_per_s"]) * int(values[0])
-            text.append(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {values[0]}; communication "
-                        f"{100 * comm:.1f}% of the step (step time minus the same steps under DDP no_sync)")
-    if flag == "data" and args.mode == "full":  # online vs precomputed: is the whole gain the encoders' time?
-        share = ref["encoders_ms"] / ref["step_ms"]  # from the table's own medians, so readers can check it
-        for v in values[1:]:
-            text.append(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of {values[0]}; the "
-                        f"frozen encoders were {100 * share:.1f}% of its step, so 1 / (1 - share) predicts "
-                        f"{1 / (1 - share):.2f}x")
+                with open(out) as f:
+                    runs[v].append(json.load(f))
+    rows, text = ratio_table(args, flag, values, runs)
     text.append(f"(median of {repeats} fresh processes each, {args.iters} timed steps per process, device "
-                f"{first['device']}, {first['threads']} threads; step = the sum of all phases, range in brackets)")
+                f"{runs[values[0]][0]['device']}, {runs[values[0]][0]['threads']} threads; step = the sum of all "
+                f"phases, range in brackets)")
     print("\n".join(text), flush=True)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     with open(os.path.join(args.out, "profile", f"compare_{flag}.json"), "w") as f:
         json.dump(dict(flag=flag, runs=runs, medians=rows), f, indent=1)
     return rows, "\n".join(text)
+
+
+def ratio_table(args, flag, values, runs):
+    """Medians per value -> (rows {value: {key: median}}, the table's lines; ratios to the first value)."""
+    phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
+    has_mfu, loader = runs[values[0]][0]["mfu"] is not None, args.mode == "dataloader"
+    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "opt_state_mb", "achieved_tflops"]
+    keys += ["mfu"] * has_mfu + ["loader_img_per_s"] * loader
+    rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
+    ref = rows[values[0]]
+    head = ([f"--{flag}"] + [f"{k} ms" for k in phases] + ["step ms", "img/s", "peak MB", "optimizer state MB/rank",
+            "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader + [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
+    lines = []
+    for v, row in rows.items():
+        lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
+        lines.append([v] + [f"{row[k + '_ms']:.1f}" for k in phases] + [
+            f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}",
+            f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
+            ([f"{100 * row['mfu']:.1f}%"] if has_mfu else []) + ([f"{row['loader_img_per_s']:.0f}"] if loader else []) +
+            [f"{row['step_ms'] / ref['step_ms']:.2f}×", f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
+    if args.markdown:
+        text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(l) + " |" for l in lines]
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+        text = ["  ".join(str(x).rjust(w) for x, w in zip(l, widths)) for l in [head] + lines]
+    for v in values[1:] if flag == "nproc" else []:  # scaling efficiency: N ranks' images/s over N times one rank's
+        comm = statistics.median(r["communication_share"] for r in runs[v])
+        eff = rows[v]["img_per_s"] / (int(v) * ref["img_per_s"]) * int(values[0])
+        text.append(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {values[0]}; communication "
+                    f"{100 * comm:.1f}% of the step (step time minus the same steps under DDP no_sync)")
+    for v in values[1:] if flag == "data" and args.mode == "full" else []:  # is the whole gain the encoders' time?
+        share = ref["encoders_ms"] / ref["step_ms"]  # from the table's own medians, so readers can check it
+        text.append(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of {values[0]}; the "
+                    f"frozen encoders were {100 * share:.1f}% of its step, so 1 / (1 - share) predicts "
+                    f"{1 / (1 - share):.2f}x")
+    return rows, text
 
 
 # -----------------------------------------------------------------------------------------------
@@ -339,37 +330,34 @@ def claims(gpu):
     if gpu:
         base = "--width 384 --depth 6 --heads 6 --patch 2 --image-size 32 --batch-size 64".split()
         attn = [("~1k", "--image-size 64 --batch-size 32"), ("~4k", "--image-size 128 --batch-size 8")]
-        full = "--width 768 --depth 12 --heads 12 --patch 2 --batch-size 32 --synthetic 4,64,77,768 --compare precision=bf16"
-        full_title = "The seed's full-size model (width 768, depth 12, 12 heads, patch 2) on 4x64x64 latents, CLIP-L text"
-        loader = 8  # loader worker processes
+        full = "--width 768 --depth 12 --heads 12 --patch 2 --batch-size 32 --synthetic 4,64,77,768"
+        full_title = "The seed's full-size model (width 768, depth 12, 12 heads, patch 2) on 4x64x64 latents, CLIP-L"
+        precision, loader = "bf16", 8  # (loader worker processes)
     else:
         base = "--width 128 --depth 2 --heads 4 --patch 4 --image-size 32 --batch-size 32".split()
         attn = [("64", "--patch 4"), ("256", "--patch 2 --batch-size 8")]
-        full = "--width 96 --depth 2 --heads 2 --patch 2 --batch-size 4 --synthetic 4,16,77,768 --compare precision=fp32"
-        full_title = "The full-size model's inputs (4-channel latents, CLIP-L-sized text) at CPU size: width 96, 4x16x16"
-        loader = 1
+        full = "--width 96 --depth 2 --heads 2 --patch 2 --batch-size 4 --synthetic 4,16,77,768"
+        full_title = "The full-size model's inputs (4-channel latents, CLIP-L-sized text) at CPU size: width 96"
+        precision, loader = "fp32", 1
     over = lambda extra: strip(base, {a for a in extra if a.startswith("--")}) + extra  # base, these flags replaced
-    out = [("attn", f"Attention: manual vs SDPA at {n} image tokens", over(size.split() + ["--compare", "attn=manual,sdpa"]))
-           for n, size in attn]
-    out += [("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
-             base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
-            ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),
-            ("compile", "torch.compile, dense", base + ["--compare", "compile=off,on"]),
-            ("compile-moe", "torch.compile, 8 experts (the device's default dispatch)",
-             base + ["--moe", "8", "--compare", "compile=off,on"]),
-            ("precision", "fp32 vs bf16 autocast", base + ["--compare", "precision=fp32,bf16"]),
-            ("full-size", full_title, full.split()),
-            ("loader", "Data loader vs the model (built-in shapes, one process)",
-             ["dataloader"] + base + ["--compare", f"workers={loader}"])]
-    return out
+    return [("attn", f"Attention: manual vs SDPA at {n} image tokens", over(size.split() + ["--compare",
+                                                                                       "attn=manual,sdpa"]))
+            for n, size in attn] + [
+        ("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
+         base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
+        ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),
+        ("compile", "torch.compile, dense", base + ["--compare", "compile=off,on"]),
+        ("compile-moe", "torch.compile, 8 experts (the device's default dispatch)",
+         base + ["--moe", "8", "--compare", "compile=off,on"]),
+        ("precision", "fp32 vs bf16 autocast", base + ["--compare", "precision=fp32,bf16"]),
+        ("full-size", full_title, full.split() + ["--compare", f"precision={precision}"]),
+        ("loader", "Data loader vs the model (built-in shapes, one process)",
+         ["dataloader"] + base + ["--compare", f"workers={loader}"])]
 
 
 def suite(args):
     """Run every claim (or --claims), print a header and one markdown table per claim; also written
     to <out>/profile/suite.md. A claim that fails is reported and the others still run."""
-    import torch
-
-    from model import device
     gpu = device() == "cuda"
     name = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

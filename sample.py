@@ -12,7 +12,7 @@ latents. What scores the samples depends on the data (below the banner; train.py
     real pictures alone (cached beside them), gives the features for retrieval top-1/top-5 (is the nearest real
     picture the named one?), FID/KID/IS, and sharpness (mean |Laplacian| over the real pictures');
   * any data: `--real` FID and IS against real shards (Inception, or any TorchScript `--features` file),
-    `--clip-model` CLIPScore (torchmetrics).
+    `--clip-model` CLIPScore.
 Checkpoints load with weights_only=True: tensors and plain values only, so loading runs no pickled code.
 """
 import argparse
@@ -141,23 +141,22 @@ def main(argv=None):
         plot_run(args.plot)
         return print(f"{os.path.join(args.plot, 'loss.png')} drawn from its log.jsonl")
     model, encoder, targs = load(args.ckpt, args.raw)
-    size = targs["image_size"]
-    beside_ckpt = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default output path
+    out = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default: beside the checkpoint
     if args.routing:
-        return routing_maps(model, encoder, size, args.out or os.path.dirname(args.ckpt), args.seed)
+        return routing_maps(model, encoder, targs["image_size"], args.out or os.path.dirname(args.ckpt), args.seed)
+    fakes = lambda captions: data.as_uint8(draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed,
+                                                model.t_shift, args.batch))  # (N, 3, H, W) uint8
     if not args.eval:
         prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                                   "a yellow triangle in the bottom right", "a white circle in the top right"]
-        captions = [p for p in prompts for _ in range(args.n)]
-        x = draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed, model.t_shift, args.batch)
-        save_grid([data.to_pil(im) for im in x], beside_ckpt("samples.png"), nrow=args.n)
-        return print(f"{len(captions)} samples ({len(prompts)} prompts x {args.n}, one row each) -> "
-                     f"{beside_ckpt('samples.png')}")
+        fake = fakes([p for p in prompts for _ in range(args.n)])
+        save_grid([data.to_pil(x) for x in fake], out("samples.png"), nrow=args.n)
+        return print(f"{len(fake)} samples ({len(prompts)} prompts x {args.n}, one row each) -> {out('samples.png')}")
     nets = feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
     clip = load_clip(args.clip_model) if args.clip_model else None
-    names, scores, fake, captions = data.names_set(targs["data"], size), {}, None, None
+    names, scores, fake = data.names_set(targs["data"], targs["image_size"]), {}, None
     if names or targs["data"] == data.BUILTIN:  # the judge, or retrieval against the named pictures
-        grid = beside_ckpt(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
+        grid = out(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
         scores, fake, captions = evaluate(model, encoder, model.vae, names, grid, args.eval_n, args.steps, args.cfg,
                                           args.seed, model.t_shift, fid=bool(names), batch=args.batch)
         report(scores, len(fake), f"{args.steps} Euler steps, cfg {args.cfg}; grid: {grid}")
@@ -166,19 +165,17 @@ def main(argv=None):
         raise SystemExit("--eval: the judge knows only the built-in data and sets with a names.json (python "
                          "data.py emoji); for this checkpoint pass --real and/or --clip-model")
     if args.real:  # FID/IS: the real captions drawn, then set against the real images
-        real, captions = data.real_images(args.real, size, args.real_n, args.seed)
-        fake = data.as_uint8(draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed, model.t_shift,
-                                  args.batch))
+        real, captions = data.real_images(args.real, targs["image_size"], args.real_n, args.seed)
+        fake = fakes(captions)
         scores.update(fid_is(real, fake, nets, args.batch), n_real=len(real))
         print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- {scores['inception_score_std']:.2f}"
               f": {len(real)} real images of {args.real} and as many samples of their captions ({args.features})")
     if args.clip_model:  # on the samples above, or else on the --prompt ones
+        if fake is None and not args.prompt:
+            raise SystemExit("--clip-model needs captions to score: pass --real or --prompt")
         if fake is None:
-            if not args.prompt:
-                raise SystemExit("--clip-model needs captions to score: pass --real or --prompt")
             captions = [p for p in args.prompt for _ in range(args.n)]
-            fake = data.as_uint8(draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed,
-                                      model.t_shift, args.batch))
+            fake = fakes(captions)
         scores["clip_score"] = clip_score(fake, captions, clip, args.batch)
         print(f"CLIPScore {scores['clip_score']:.2f} over {len(fake)} samples ({args.clip_model})")
     print(json.dumps(dict(scores, steps=args.steps, cfg=args.cfg)))
@@ -234,7 +231,8 @@ def name_net(names, steps=1000, batch=64, seed=0):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, 2e-3, total_steps=steps)
     for _ in tqdm(range(steps), desc=f"training the name classifier on {len(real)} real pictures", unit="step"):
         idx = torch.randint(len(real), (batch,), generator=g)
-        loss = F.cross_entropy(net(views(real[idx], g))[1], idx)
+        with torch.enable_grad():  # (score_names runs under no_grad)
+            loss = F.cross_entropy(net(views(real[idx], g))[1], idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -338,39 +336,26 @@ def fid_is(real, fake, nets, batch=256):
                 inception_score_std=std.nan_to_num().item())
 
 
-class CLIPFeatures(torch.nn.Module):
-    """transformers 5 returns a ModelOutput from get_{image,text}_features where torchmetrics 1.9 wants
-    the tensor (torchmetrics issue #3407, fixed after 1.9.0): hand over pooler_output, the projection."""
-
-    def __init__(self, clip):
-        super().__init__()
-        self.clip, self.config = clip, clip.config
-
-    def get_image_features(self, *a, **k):
-        return self.clip.get_image_features(*a, **k).pooler_output
-
-    def get_text_features(self, *a, **k):
-        return self.clip.get_text_features(*a, **k).pooler_output
-
-
 def load_clip(name):
-    """--clip-model -> (model, processor) for torchmetrics' CLIPScore; hub ids and local folders alike."""
+    """--clip-model -> (a transformers CLIPModel, its CLIPProcessor); hub ids and local folders alike."""
     from transformers import CLIPModel, CLIPProcessor
     try:
-        return CLIPFeatures(CLIPModel.from_pretrained(name).eval()), CLIPProcessor.from_pretrained(name)
+        return CLIPModel.from_pretrained(name).eval().to(device()), CLIPProcessor.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise SystemExit(cannot_load("--clip-model", name, e)) from e
 
 
 @torch.no_grad()
 def clip_score(images, captions, clip, batch=256):
-    """uint8 images, their captions, load_clip() -> CLIPScore: the mean of 100 * cos(image, text), floored at 0."""
-    from torchmetrics.multimodal import CLIPScore
-    metric = CLIPScore(model_name_or_path=lambda: clip)  # a callable: its own loader knows a few hub ids only
-    dev = device()
+    """uint8 images, their captions, load_clip() -> CLIPScore (Hessel et al. 2021): the mean over pairs of
+    max(100 cos(image embedding, caption embedding), 0)."""
+    model, processor, scores = *clip, []
     for i in range(0, len(images), batch):
-        metric.update(list(images[i:i + batch].to(dev)), captions[i:i + batch])
-    return metric.compute().item()
+        x = processor(text=captions[i:i + batch], images=list(images[i:i + batch]), return_tensors="pt",
+                      padding=True, truncation=True).to(device())
+        out = model(**x)
+        scores.append((100 * F.cosine_similarity(out.image_embeds, out.text_embeds)).clamp(min=0))
+    return torch.cat(scores).mean().item()
 
 
 @torch.no_grad()

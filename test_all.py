@@ -65,7 +65,8 @@ def test_manual_and_sdpa_attention_agree_in_outputs_and_gradients():
     inputs = toy_inputs()
     outs, grads = {}, {}
     for impl in ("manual", "sdpa"):
-        m.set_attn(impl)
+        for b in m.blocks:
+            b.attn = impl
         m.zero_grad()
         out = m(*inputs)
         (out ** 2).sum().backward()
@@ -144,7 +145,7 @@ def test_time_shift_is_sd3s_and_the_sampler_uses_the_training_runs_shift(tmp_pat
     model, encoder, targs = sample.load(os.path.join(out, "ckpt.pt"))
     shifts, real = [], flow.euler
     monkeypatch.setattr(flow, "euler", lambda v, x, steps, shift=1.0: shifts.append(shift) or real(v, x, steps, shift))
-    sample.sample(model, encoder, ["a red circle"], sample.get_args(["--ckpt", os.path.join(out, "ckpt.pt"), "--steps", "2"]))
+    sample.draw(model, encoder, model.vae, ["a red circle"], 2, 3.0, 0, model.t_shift)  # as sample.py draws
     assert targs["t_shift"] == 3.0 and shifts == [3.0]
     with pytest.raises(SystemExit, match="--t-shift"):  # a resume may not silently change it
         train.main(TINY + ["--image-size", "16", "--steps", "4", "--out", out, "--resume"])
@@ -425,7 +426,7 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
     # the same EMA, prompts, noise (seed 0), steps and guidance as train.py's final evaluation: the same grades
     assert len(final) == 1 and {k: acc[k] for k in final[0]} == final[0], (acc, final)
     assert acc["all"] <= min(acc["color"], acc["shape"], acc["position"])
-    assert os.path.exists(os.path.join(trained16, "eval_2steps.png"))
+    assert os.path.exists(os.path.join(trained16, "eval_2steps_cfg3.png"))
     r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--prompt", "a red circle", "--n", "2", "--steps",
                         "2", "--out", str(tmp_path / "g.png")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and Image.open(tmp_path / "g.png").size == (2 * 16 * 2, 16 * 2)
@@ -467,7 +468,7 @@ def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_dr
     args = train.get_args(TINY + ["--image-size", "16", "--ema", "0.5", "--cfg-drop", "0.5", "--out", "/nonexistent"])
     S, micro, keeps = train.setup(args), None, []
     micro = synthetic_step_inputs(S)
-    real = train.drop_captions
+    real = flow.drop_captions
 
     def spy(text, mask, keep):
         out_text, out_mask = real(text, mask, keep)
@@ -475,7 +476,7 @@ def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_dr
         assert not out_text[~keep].any() and not out_mask[~keep].any()  # dropped: the null caption
         keeps.append(keep)
         return out_text, out_mask
-    monkeypatch.setattr(train, "drop_captions", spy)
+    monkeypatch.setattr(flow, "drop_captions", spy)
     for step in range(1, 13):
         before = [p.clone() for p in S.ema.parameters()]
         train.train_step(S, args, micro)
@@ -513,7 +514,7 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     ckpt["data"] = ckpt["data"] * 2  # as if written by 2 ranks
     torch.save(ckpt, os.path.join(out, "ckpt.pt"))
-    with pytest.raises(SystemExit, match="written by 2 ranks; resume with as many"):
+    with pytest.raises(SystemExit, match="written by 2 ranks with --dist none: resume with --dist none on as many ranks"):
         train.main(flags + ["--steps", "3", "--override", "steps", "--resume"])
 
 
@@ -874,7 +875,7 @@ def load_profile_py():
 
 def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkeypatch):
     import time
-    real_batches = train.batches
+    real_batches = data.batches
 
     def slow_batches(*a):  # a loader that takes 300 ms per batch (far above the tiny model's phases on a busy CPU)
         for b in real_batches(*a):
@@ -884,7 +885,7 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
     def slow_encode(S, b):  # frozen encoders that take 600 ms (and return fixed caption states)
         time.sleep(0.6)
         return b["image"], torch.ones(len(b["caption"]), 5, 384), torch.ones(len(b["caption"]), 5, dtype=torch.bool)
-    monkeypatch.setattr(train, "batches", slow_batches)
+    monkeypatch.setattr(data, "batches", slow_batches)
     monkeypatch.setattr(train, "encode_batch", slow_encode)
     prof = load_profile_py()
     res = prof.measure(prof.get_args(["full", "--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2",
@@ -1441,7 +1442,7 @@ def glyph_like(n):
 @pytest.fixture(scope="module")
 def emoji_set(tmp_path_factory):
     """A small named-picture set at 16 px: 8 food emoji from the font where it is installed (CI installs
-    it), else 8 glyph-like pictures; shards, names.json and the trained name classifier."""
+    it), else 8 glyph-like pictures; shards and names.json."""
     out = str(tmp_path_factory.mktemp("emoji"))
     if os.path.exists(data.EMOJI_FONT):
         food = data.emoji_glyphs(["food"])
@@ -1455,7 +1456,7 @@ def emoji_set(tmp_path_factory):
 
 def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(emoji_set):
     out, glyphs = emoji_set
-    names = data.names_set(out)
+    names = data.names_set(out, 16)
     assert names["names"] == [n for _, n, _ in glyphs] and data.verify_shards(out) == []
     samples = [s for shard in data.resolve_shards(out, 16) for s in wds.tarfile_samples([{"url": shard}])]
     captions = sorted(s["txt"].decode() for s in samples)
@@ -1464,26 +1465,25 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
     for s in samples:
         img = np.asarray(Image.open(io.BytesIO(s["jpg"])), dtype=np.float32)
         assert img.shape == (16, 16, 3) and img[0, 0].min() > 220  # transparency composited onto white (not black)
-    assert os.path.exists(os.path.join(out, "namenet16.pt"))
 
 
 def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
     out, _ = emoji_set
-    names = data.names_set(out)
-    real = sample.real_names(names, 16)
+    names = data.names_set(out, 16)
+    real = names["real"]
     want = torch.arange(len(real)).repeat(4)
     near_misses = sample.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
-    good = sample.score_names(near_misses, want, names, real)
+    good = sample.score_names(near_misses, want, names)
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
-    wrong = sample.score_names(near_misses, want.roll(1), names, real)  # each picture under another's name
+    wrong = sample.score_names(near_misses, want.roll(1), names)  # each picture under another's name
     assert wrong["top1"] <= 0.2
     noise = data.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
-    bad = sample.score_names(noise, want, names, real)
+    bad = sample.score_names(noise, want, names)
     assert bad["fid"] > 2 * good["fid"] and bad["kid"] > good["kid"] and bad["sharpness"] > 2
     speckled = data.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
     blurred = data.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
-    s_speckled = sample.score_names(speckled, want, names, real, fid=False)["sharpness"]
-    assert s_speckled > 1.2 and sample.score_names(blurred, want, names, real, fid=False)["sharpness"] < 0.8
+    s_speckled = sample.score_names(speckled, want, names, fid=False)["sharpness"]
+    assert s_speckled > 1.2 and sample.score_names(blurred, want, names, fid=False)["sharpness"] < 0.8
 
 
 def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_path, emoji_set):
@@ -1700,8 +1700,8 @@ def test_resume_mid_epoch_does_not_decode_the_consumed_samples(tmp_path, monkeyp
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)  # 5 batches an epoch
     flags = TINY + ["--data", ",".join(small), "--image-size", "16"]
     train.main(flags + ["--steps", "4", "--out", str(tmp_path / "run")])  # stops after batch 4 of epoch 0
-    real_decode, real_step, decoded, at_first_step = data.decode_sample, train.train_step, [], []
-    monkeypatch.setattr(data, "decode_sample", lambda s, size: decoded.append(s["__key__"]) or real_decode(s, size))
+    real_decode, real_step, decoded, at_first_step = data.decode, train.train_step, [], []
+    monkeypatch.setattr(data, "decode", lambda s, size: decoded.append(s["__key__"]) or real_decode(s, size))
     monkeypatch.setattr(train, "train_step", lambda S, *a: at_first_step.append(len(decoded)) or real_step(S, *a))
     train.main(flags + ["--steps", "5", "--override", "steps", "--out", str(tmp_path / "run"), "--resume"])
     assert at_first_step == [16]  # only the new batch; the 64 consumed samples were read past, not decoded
@@ -1729,9 +1729,9 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
     cases = {  # where the process is stuck -> (exit status, what it prints)
         "startup": ("real = train.setup\ndef setup(args):\n    print('stuck', flush=True); time.sleep(600)\n"
                     "train.setup = setup", 128 + signal.SIGTERM, "caught SIGTERM: exiting at once"),
-        "data": ("import itertools\nreal = train.batches\ndef batches(args, S, shards):\n    it = real(args, S, shards)\n"
+        "data": ("import itertools\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"
                  "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True); time.sleep(600)\n"
-                 "        yield next(it)\ntrain.batches = batches", 0, "checkpoint written at step 3"),
+                 "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 3"),
         "step": ("real = train.train_step\ndef step(S, *a):\n    if S.step == 3: print('stuck', flush=True); "
                  "time.sleep(600)\n    return real(S, *a)\ntrain.train_step = step", 128 + signal.SIGTERM, "exiting at once"),
     }

@@ -1,13 +1,10 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
-In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimiser, schedule) -> one training step -> the loop,
-whose outline is main(). What a first read may skip follows one banner: checkpoints, DeepSpeed, evaluation, stop
-signals, exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off the RANK variable, so plain
-`python train.py` needs no launcher; profile.py and the tests reuse the very same parser and step.
-
-Resume is exact: a checkpoint holds model, EMA, optimiser, schedule, step, flags, every RNG state and each rank's
-data.Position; the data order is a pure function of (seed, epoch, rank, worker), so passing over the consumed
-samples (read, not decoded) puts the stream exactly where it was.
+In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule) -> one training step -> the loop,
+whose outline is main(); after one banner, what a first read may skip: checkpoints, DeepSpeed, evaluation, stop
+signals, exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off the RANK variable; profile.py
+and the tests reuse the very same parser and step. Resume is exact: a checkpoint holds model, EMA, optimizer,
+schedule, step, flags, every RNG state and each rank's data.Position.
 """
 import argparse
 import contextlib
@@ -151,15 +148,12 @@ class Run:
     names: dict = None             # a names set (python data.py emoji): retrieval scores samples
     log: object = None             # log.jsonl, open on rank 0
     t_start: float = 0.0           # time.time() at start-up
-    t_enc: float = 0.0             # seconds in the frozen encoders ...
-    t_total: float = 0.0           # ... and in whole steps
 
 
 def setup(args, shape=None):
-    """Device, process group, seeds, encoder, model, EMA, optimiser, schedule -> the Run the loop uses.
+    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule -> the Run the loop uses.
     `shape` = (channels, side, text dim) of the model's inputs, where profile.py times synthetic ones."""
-    dev = device()
-    rank, local_rank, world = 0, 0, 1
+    dev, rank, local_rank, world = device(), 0, 0, 1
     if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
         rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         if dev == "cuda":
@@ -168,19 +162,17 @@ def setup(args, shape=None):
         if rank == 0 and "SIGUSR1" not in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ""):
             print(f"warning: torchrun dies on SIGUSR1 (Slurm's time-limit warning) and orphans the ranks unless "
                   f"started with --signals-to-handle {HANDLED_BY_TORCHRUN} (run.slurm passes it)")
-    if args.precision is None:
-        args.precision = "bf16" if dev == "cuda" else "fp32"
+    args.precision = args.precision or ("bf16" if dev == "cuda" else "fp32")
     args.moe_impl = args.moe_impl or default_impl(dev)  # the GPU's grouped GEMM, the CPU's per-expert slices
-    if dev == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # (GPUs: TF32 matmuls)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     vae = load_vae(args.vae, dev)  # frozen; None = pixel space
     encoder = TextEncoder(args.text_encoder, device=dev, cache_size=args.text_cache)
     size = args.image_size // (vae.factor if vae else 1)  # the model sees latents of this side
     if vae and (args.image_size % vae.factor or size % args.patch):
-        raise SystemExit(f"--vae shrinks {args.image_size} px by {vae.factor} to {args.image_size / vae.factor:g}: "
-                         f"pick --image-size a multiple of {vae.factor * args.patch} (for --patch {args.patch})")
+        raise SystemExit(f"--vae shrinks the pictures {vae.factor} times: pick --image-size a multiple of "
+                         f"{vae.factor * args.patch} (for --patch {args.patch})")
     config = dict(in_channels=vae.channels if vae else 3, image_size=size, patch=args.patch, width=args.width,
                   depth=args.depth, heads=args.heads, text_dim=encoder.dim, attn=args.attn, moe=args.moe,
                   topk=args.topk, shared_experts=args.shared_experts, moe_impl=args.moe_impl,
@@ -222,8 +214,7 @@ def start(args):
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
     pre = data.precomputed_meta(os.path.dirname(shards[0]))  # written by `python data.py precompute`?
-    if pre and [pre[k] for k in ("vae", "text_encoder", "image_size")] != [args.vae, args.text_encoder,
-                                                                           args.image_size]:
+    if pre and (pre["vae"], pre["text_encoder"], pre["image_size"]) != (args.vae, args.text_encoder, args.image_size):
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     run = setup(args)
@@ -237,7 +228,7 @@ def start(args):
         if master:
             print(f"resumed from {args.out}/{name} at step {run.step}" +
                   "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
-            write_log(run.log, dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
+            data.append_json(run.log, dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         data.write_json(os.path.join(args.out, "args.json"), vars(args))
     total, active = count_params(run.model)
@@ -254,11 +245,6 @@ def start(args):
 # -----------------------------------------------------------------------------------------------
 # One training step
 # -----------------------------------------------------------------------------------------------
-def drop_captions(text, mask, keep):
-    """The null caption (zeros, all-False mask) where keep (B,) is False: classifier-free guidance."""
-    return text * keep[:, None, None], mask & keep[:, None]
-
-
 def train_step(run, args, micro, mark=None):
     """One optimizer step over this rank's --grad-accum micro-batches [(x0, text, mask)]: flow loss (+ MoE
     balance loss) -> backward per micro-batch -> clip at 1.0 -> AdamW -> schedule -> EMA. No host sync: on a
@@ -276,7 +262,7 @@ def train_step(run, args, micro, mark=None):
     loads = 0 if args.moe and args.balance == "bias" else None  # (layers, E) summed over micro-batches
     for i, (x0, text, mask) in enumerate(micro):
         mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
-        text, mask = drop_captions(text, mask, keep[mine])
+        text, mask = flow.drop_captions(text, mask, keep[mine])
         quiet = run.engine is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
         with run.fwd.no_sync() if quiet else contextlib.nullcontext():
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
@@ -340,21 +326,17 @@ def train_loop(args, run, signals):
     """batch -> encode -> step -> log / samples / checkpoint, until --steps, a stop signal (-> True: this
     or another rank was sent one) or too many bad steps."""
     from tqdm import tqdm
-    master = run.rank == 0
-    bar = tqdm(total=args.steps, initial=run.step, desc="train", dynamic_ncols=True, disable=not master)
-    n_seen, t_window = 0, time.time()
-    stream, stopped = data.batches(run.shards, args.batch_size, args.image_size, args.seed, run.rank, run.world,
-                                   args.workers, run.position), False  # (it keeps run.position up to date)
+    bar = tqdm(total=args.steps, initial=run.step, desc="train", dynamic_ncols=True, disable=run.rank != 0)
+    n_seen, t_window, stopped = 0, time.time(), False
+    stream = data.batches(run.shards, args.batch_size, args.image_size, args.seed, run.rank, run.world,
+                          args.workers, run.position)  # (which it keeps up to date)
     try:
         signals.defer = run.world > 1  # one process: a signal while it waits for data stops it at once
         b = first_batch(run, stream) if run.step < args.steps else None
         while b is not None:
             signals.defer = True  # from here the step finishes before a signal is acted on
-            t0 = time.perf_counter()
             micro = [encode_batch(run, b)] + [encode_batch(run, next(stream)) for _ in range(args.grad_accum - 1)]
-            t1 = time.perf_counter()
             out = train_step(run, args, micro)
-            run.t_enc, run.t_total = run.t_enc + t1 - t0, run.t_total + time.perf_counter() - t0
             n_seen += sum(x0.shape[0] for x0, _, _ in micro) * run.world
             if run.step % args.log_every == 0 or run.step == args.steps:  # the only steps that read the device
                 stopped = log_step(run, args, out, signals, n_seen / (time.time() - t_window), bar)
@@ -362,9 +344,9 @@ def train_loop(args, run, signals):
             elif run.world == 1:  # (one process needs no all-reduce to know it was signalled)
                 stopped = bool(signals.caught)
             bar.update(1)
-            if master and args.sample_every and run.step % args.sample_every == 0 and run.step < args.steps:
+            if run.rank == 0 and args.sample_every and run.step % args.sample_every == 0 and run.step < args.steps:
                 acc = sample_grid(run, args, os.path.join(args.out, "samples", f"step_{run.step:06d}.png"))
-                write_log(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
+                data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
                 sample.plot_run(args.out)  # loss.png: people read curves, not JSON
             if run.step % args.ckpt_every == 0 or run.step == args.steps:
                 save_checkpoint(run, args)
@@ -391,18 +373,17 @@ def log_step(run, args, out, signals, img_per_s, bar):
     if run.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
         rec = dict(step=run.step, loss=loss_sum / run.world, loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
                    lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(), img_per_s=img_per_s,
-                   encoder_share=run.t_enc / max(run.t_total, 1e-9), skipped=run.position.skipped,
-                   epoch=run.position.epoch, bad_steps=total)
+                   skipped=run.position.skipped, epoch=run.position.epoch, bad_steps=total)
         if in_a_row:  # this step's update was skipped
             rec["bad_step"] = True
         if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
             rec.update(balance_loss=out["balance"].item(), routing=routing_stats(run.model))
-        write_log(run.log, rec)
+        data.append_json(run.log, rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
-        fail(run, f"stopping at step {run.step}: {longest} steps in a row had a non-finite loss or gradient norm "
-                  f"and were skipped. The last checkpoint is {args.out}/{CKPT} at step {run.ckpt_step} (a skipped "
-                  f"step changes no weight): check the data, or resume from it with a lower --lr (--override lr)")
+        end(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite loss or gradient norm "
+                    f"and were skipped. The last checkpoint is {args.out}/{CKPT} at step {run.ckpt_step} (a skipped "
+                    f"step changes no weight): check the data, or resume from it with a lower --lr (--override lr)")
     return stop > 0
 
 
@@ -411,12 +392,17 @@ def main(argv=None):
     args = get_args(argv)
     signals = StopSignals()  # from here on a stop signal ends the process cleanly (see StopSignals)
     try:
-        run = start(args)                                      # run folder, set-up, resume, the banner
-        if train_loop(args, run, signals):                     # steps, log lines, sample grids, checkpoints
-            code = checkpoint_and_stop(args, run, signals)     # a stop signal: one more checkpoint, exit 0
+        run = start(args)                                  # run folder, set-up, resume, the banner
+        if train_loop(args, run, signals):                 # steps, log lines, sample grids, checkpoints
+            name = signal.Signals(signals.caught[0]).name if signals.caught else "a signal sent to another rank"
+            print(f"rank {run.rank}: caught {name}, stopping after step {run.step}", flush=True)
+            signals.defer = True  # (the same signal arriving twice is not a second one)
+            code = 0 if save_checkpoint(run, args) else 1  # every rank writes one checkpoint
+            if run.rank == 0 and not code:
+                print(f"caught {name}: checkpoint written at step {run.step}; continue with --resume/--auto-resume")
         else:
-            code = final_evaluation(args, run, signals)        # rank 0: every held-out prompt, scored
-        return end(args, run, code)
+            code = final_evaluation(args, run, signals)    # rank 0: every held-out prompt or name, scored
+        return end(run, code)
     except Interrupted as e:  # start-up, final samples, or a second signal: leave now, nothing half-written
         print(f"caught {e}: exiting at once; the last checkpoint written stands", file=sys.stderr, flush=True)
         if dist.is_initialized():
@@ -456,16 +442,16 @@ def save_checkpoint(run, args):
               f"retries; the last one written is step {run.ckpt_step}", file=sys.stderr)
         return False
     if tag:  # older partition folders go only now that ckpt.pt names the new one (ckpt.prev.pt: run.ds_tag)
-        ds = os.path.join(args.out, "deepspeed")
-        for old in {d for d in os.listdir(ds) if d.startswith("step")} - {tag, run.ds_tag}:
-            shutil.rmtree(os.path.join(ds, old), ignore_errors=True)
+        folder = os.path.join(args.out, "deepspeed")
+        for old in {d for d in os.listdir(folder) if d.startswith("step")} - {tag, run.ds_tag}:
+            shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     run.ckpt_step, run.ds_tag = run.step, tag
     return True
 
 
-def read_checkpoint(out, dev):
-    """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable; an
-    unreadable ckpt.pt becomes ckpt.bad.pt, so it never pushes the good one out at the next save."""
+def read_checkpoint(out, dev, rank=0):
+    """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable (every rank finds
+    the same); rank 0 renames an unreadable ckpt.pt ckpt.bad.pt, so it never pushes the good one out at the next save."""
     errors = []
     for name in (CKPT, PREV):
         try:
@@ -475,7 +461,7 @@ def read_checkpoint(out, dev):
         except Exception as e:  # torch.load raises many kinds on a damaged file
             errors.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             continue
-        if errors:
+        if errors and rank == 0:
             print(f"warning: {out}/{errors[0]}; resuming from {name} (step {ckpt['step']}) instead", file=sys.stderr)
             if os.path.exists(os.path.join(out, CKPT)):
                 os.replace(os.path.join(out, CKPT), os.path.join(out, "ckpt.bad.pt"))
@@ -487,38 +473,22 @@ def read_checkpoint(out, dev):
 def load_checkpoint(run, args):
     """Resume: every model, optimizer, RNG and data state of the checkpoint, its flags checked first.
     -> (file name, {changed flag: (saved, now)})."""
-    picked, ckpt = [None, None], None  # rank 0 picks the file (so also a fallback) and every rank reads that one
-    if run.rank == 0:
-        try:
-            picked[0], ckpt = read_checkpoint(args.out, run.dev)
-        except SystemExit as e:
-            picked[1] = str(e)
-    if run.world > 1:
-        dist.broadcast_object_list(picked, 0)
-    if picked[1]:
-        raise SystemExit(picked[1])
-    name = picked[0]
-    if ckpt is None:
-        ckpt = torch.load(os.path.join(args.out, name), map_location=run.dev, weights_only=True)
+    name, ckpt = read_checkpoint(args.out, run.dev, run.rank)
     changed = {k: (ckpt["args"][k], getattr(args, k)) for k in TRAJECTORY if ckpt["args"][k] != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in overrides(args)}
     if refused:
-        raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" +
-                         "".join(f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n"
-                                 for k, (a, b) in refused.items()) +
-                         f"Pass the checkpoint's values, or accept the change with --override "
-                         f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
-    how = ("attn", "moe_impl")  # how the model computes, not what: free to change on resume
-    if {k: v for k, v in ckpt["config"].items() if k not in how} != {k: v for k, v in run.config.items()
-                                                                     if k not in how}:
+        raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" + "".join(
+            f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
+            f"Pass the checkpoint's values, or accept the change with --override "
+            f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
+    what = lambda config: {k: v for k, v in config.items() if k not in ("attn", "moe_impl")}  # not how it computes
+    if what(ckpt["config"]) != what(run.config):
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {run.config}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
-    if len(ckpt["data"]) != run.world:  # (ZeRO's partitions need it too)
-        raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['data'])} ranks; resume with as many")
-    tag, saved_dist = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
-    if (tag is None) != (run.engine is None):  # torch's AdamW state dict vs ZeRO's partitions
-        raise SystemExit(f"--resume: {args.out}/{name} was written by --dist {saved_dist}, whose optimizer state "
-                         f"--dist {args.dist} cannot read; resume with --dist {saved_dist}")
+    tag, saved = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
+    if len(ckpt["data"]) != run.world or (tag is None) != (run.engine is None):  # (ZeRO's partitions need both)
+        raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
+                         f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
     for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
         getattr(run, k).load_state_dict(ckpt[k])  # (LambdaLR's load leaves the optimizer's lr alone)
     if tag is not None:  # weights, fp32 partition, AdamW moments (the lr is the schedule's)
@@ -526,22 +496,21 @@ def load_checkpoint(run, args):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     run.gen.set_state(ckpt["rng"]["gen"])
-    run.position = data.Position(**ckpt["data"][run.rank])
-    run.step = run.ckpt_step = ckpt["step"]
+    run.position, run.step, run.ckpt_step = data.Position(**ckpt["data"][run.rank]), ckpt["step"], ckpt["step"]
     run.ds_tag, run.bad = tag, ckpt["bad"].to(run.dev)
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
         run.sched.base_lrs = [args.lr] * len(run.sched.base_lrs)
         for g in run.opt.param_groups:
             g["lr"] = args.lr * run.sched.lr_lambdas[0](run.sched.last_epoch)
     if changed.keys() & set(DATA_FLAGS):  # the saved position means nothing in another stream: the next epoch
-        pos = run.position
-        run.position = data.Position(epoch=pos.epoch + 1, skipped_before=pos.skipped, skipped=pos.skipped)
+        skipped = run.position.skipped
+        run.position = data.Position(epoch=run.position.epoch + 1, skipped_before=skipped, skipped=skipped)
     return name, changed
 
 
 def deepspeed_engine(args, model, opt, rank):
-    """DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned over ranks, parameters
-    replicated. Our torch AdamW is passed in (no fused_adam JIT build); clipping as in the others."""
+    """DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned over ranks, parameters replicated.
+    Our torch AdamW is passed in (no fused_adam JIT build); clipping as in the others."""
     try:
         import deepspeed
     except ImportError as e:
@@ -584,14 +553,13 @@ def final_evaluation(args, run, signals):
               f"step {run.ckpt_step}", file=sys.stderr)
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
-    print(f"frozen encoders' share of step time: {100 * run.t_enc / max(run.t_total, 1e-9):.2f}% | "
-          f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
+    print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
     sample_grid(run, args, os.path.join(args.out, "samples", f"step_{run.step:06d}.png"))
     if args.eval_n and not (run.judged or run.names):
         print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
     elif args.eval_n:  # noise from --seed
         scores = sample_grid(run, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed, True)
-        write_log(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
+        data.append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
         n = args.eval_n * (len(run.names["names"]) if run.names else len(data.heldout_prompts(1)))
         sample.report(scores, n, f"{args.sample_steps} steps, cfg {args.cfg}")
     sample.plot_run(args.out)  # with the final scores
@@ -607,12 +575,11 @@ class Interrupted(BaseException):
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (scancel, requeue, torchrun stopping).
-    While `defer` is set (inside the loop) the first is only noted: after this step (one process) or at the
-    next log step (where the ranks agree) every rank checkpoints and exits 0. Anywhere else, or at a second
-    signal, it raises Interrupted at once, so `timeout`, `kill` and `scancel` never wait on a stuck run. A
-    repeat within `same_event` seconds is one event arriving twice (Slurm signals every process of a step,
-    and torchrun forwards it to the ranks too)."""
+    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (scancel, requeue, torchrun stopping). While
+    `defer` is set (inside the loop) the first is only noted: after this step (one process) or at the next log step
+    (where the ranks agree) every rank checkpoints and exits 0. Anywhere else, or at a second signal, it raises
+    Interrupted at once, so nobody waits on a stuck run. A repeat within `same_event` seconds is the same event
+    arriving twice (Slurm signals every process of a step, and torchrun forwards it to the ranks too)."""
 
     def __init__(self, same_event=2.0):
         self.caught, self.defer, self.pid, self.first, self.same_event = [], False, os.getpid(), None, same_event
@@ -633,18 +600,6 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-def checkpoint_and_stop(args, run, signals):
-    """A stop signal reached this or another rank: every rank writes one checkpoint. -> exit status."""
-    name = signal.Signals(signals.caught[0]).name if signals.caught else "a signal sent to another rank"
-    print(f"rank {run.rank}: caught {name}, stopping after step {run.step}", flush=True)
-    signals.defer = True  # (a second signal still ends it at once)
-    if not save_checkpoint(run, args):
-        return 1
-    if run.rank == 0:
-        print(f"caught {name}: checkpoint written at step {run.step}; continue with --resume (or --auto-resume)")
-    return 0
-
-
 def first_batch(run, stream):
     """Every rank fetches its first batch before any step; where one cannot, all stop with the reasons
     (instead of the others waiting forever in an all-reduce)."""
@@ -652,33 +607,20 @@ def first_batch(run, stream):
         b, why = next(stream), None
     except (SystemExit, Exception) as e:  # data.batches exits on an epoch without a batch
         b, why = None, str(e)
-    whys = [why]
+    whys = [why] * run.world
     if run.world > 1:
-        whys = [None] * run.world
         dist.all_gather_object(whys, why)
     if any(whys):
-        fail(run, "no training batch: " + "\n".join(dict.fromkeys(w for w in whys if w)))
+        end(run, 1, "no training batch: " + "\n".join(dict.fromkeys(w for w in whys if w)))
     return b
 
 
-def write_log(log, rec):
-    """One JSON line; NaN and inf become null (json.dumps would write bare NaN, which is not JSON)."""
-    def finite(x):
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
-    if log:
-        log.write(json.dumps(finite(rec), allow_nan=False) + "\n")
-        log.flush()
-
-
-def end(args, run, code):
-    """Close the log; under torchrun check the replicas agree and leave the process group. -> the Run (tests)."""
+def end(run, code, error=None):
+    """Close the log; under torchrun check that the replicas agree (unless an `error` stops every rank at the same
+    point) and leave the process group. -> the Run (the tests read it), or SystemExit(error or code)."""
     if run.log:
         run.log.close()
-    if args.dist != "none":  # check that the replicas agree, then leave (this does not return)
+    if dist.is_initialized() and not error:
         flat = torch.cat([p.detach().flatten() for p in run.model.parameters()])
         ref = flat.clone()
         dist.broadcast(ref, 0)
@@ -688,21 +630,13 @@ def end(args, run, code):
         if run.rank == 0:
             print(f"parameters identical on all {run.world} ranks: {all(same)}")
             print(f"optimizer state bytes per rank: {opt_bytes}")
+    if dist.is_initialized():
+        if error and run.rank == 0:
+            print(error, file=sys.stderr, flush=True)
         leave_distributed(code)
     if code:
-        raise SystemExit(code)
+        raise SystemExit(error or code)
     return run
-
-
-def fail(run, msg):
-    """Every rank calls this at the same point: the message, then exit status 1 on every rank."""
-    if run.log:
-        run.log.close()
-    if run.world == 1:
-        raise SystemExit(msg)
-    if run.rank == 0:
-        print(msg, file=sys.stderr, flush=True)
-    leave_distributed(1)
 
 
 def optimizer_bytes(opt):
@@ -711,7 +645,7 @@ def optimizer_bytes(opt):
 
 
 def leave_distributed(code=0):
-    """barrier -> destroy -> flush -> os._exit: gloo can abort at interpreter exit; os._exit skips that."""
+    """barrier -> destroy -> flush -> os._exit(code): gloo can abort at interpreter exit."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
