@@ -1,21 +1,20 @@
-"""data.py -- what the model eats: the built-in shapes and their judge, images <-> tensors, WebDataset streaming.
+"""data.py -- what the model eats: the built-in shapes, images <-> tensors, WebDataset streaming, offline tools.
 
-    python data.py                              # build the built-in set; check the judge on it
-    python data.py shards SRC OUT --size 256    # your captioned images -> shards + manifest.json (--verify)
+    python data.py shards SRC OUT --size 256    # your captioned images -> shards + manifest.json + SHA256SUMS
     python data.py emoji OUT                    # real pictures with real names, offline (Noto Color Emoji)
     python data.py precompute SRC OUT --vae V   # the frozen encoders, once: fp16 latents + text states
 
   * built-in data a 2-core CPU learns in minutes *and* a program can grade: 3 shapes x 6 colours x 5 positions
     (24,000 images of 32 px in 16 shards, 6 caption templates; 2 more held out for evaluation), so "does the
-    picture show what its caption says?" is a number (`judge`);
+    picture show what its caption says?" is a number (sample.judge);
   * streaming by hand: shard shuffle -> this rank's and this loader worker's shards -> tar samples -> shuffle
     buffer -> decode -> batches; a bad sample is skipped and counted. The order is a pure function of (seed,
     epoch, rank, worker) and a Position records how far each worker got: that is what makes `--resume` exact;
   * any picture a user brings (transparent, palette, 16-bit, a phone photo stored sideways) becomes upright RGB
     the same way (`to_rgb`); precompute runs the frozen VAE and text encoder (model.py) once instead of per step.
 """
-import collections
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -32,9 +31,7 @@ from PIL import Image, ImageDraw, ImageOps
 
 import model
 
-# -----------------------------------------------------------------------------------------------
-# The built-in dataset: coloured shapes at named positions, and a judge that names what a picture shows
-# -----------------------------------------------------------------------------------------------
+# ---- The built-in dataset: coloured shapes at named positions --------------------------------------------------
 COLORS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 240),
           "yellow": (240, 220, 40), "purple": (170, 60, 220), "white": (235, 235, 235)}
 SHAPES = ["circle", "square", "triangle"]
@@ -104,47 +101,7 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
     return make_builtin(root, size, n_shards, per_shard, seed)
 
 
-def judge(img):
-    """PIL image or uint8 (H, W, 3) array -> dict(color, shape, position); None where nothing is seen."""
-    from scipy import ndimage
-    a = np.asarray(img.convert("RGB") if isinstance(img, Image.Image) else img, dtype=np.float32)
-    H, W, _ = a.shape
-    border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
-    diff = np.abs(a - np.median(border, axis=0)).max(-1)  # distance from the background colour
-    labels, n = ndimage.label(diff > 60)  # 4-connected blobs: the largest is the shape, the rest noise specks
-    mask = labels == 1 + np.bincount(labels.ravel())[1:].argmax() if n else labels > 0
-    if mask.sum() < 0.01 * H * W:
-        return dict(color=None, shape=None, position=None)
-    core = mask & (diff > 0.5 * diff[mask].max())  # skip antialiased rim pixels for the colour
-    rgb = a[core].mean(0)
-    color = min(COLORS, key=lambda k: np.sum((rgb - np.array(COLORS[k])) ** 2))
-    # shape: which ideal shape, drawn in the blob's bounding box, overlaps it best (IoU)
-    ys, xs = np.nonzero(mask)
-    y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
-    yy, xx = np.mgrid[0:H, 0:W] + 0.5
-    cx, cy, rx, ry = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2
-    inbox = (xx >= x0) & (xx <= x1) & (yy >= y0) & (yy <= y1)
-    ideal = {"circle": ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2 <= 1, "square": inbox,
-             "triangle": inbox & (np.abs(xx - cx) <= rx * (yy - y0) / (y1 - y0))}
-    iou = {k: (m & mask).sum() / (m | mask).sum() for k, m in ideal.items()}
-    fx, fy = (x0 + x1) / 2 / W, (y0 + y1) / 2 / H  # box centre (a triangle's centroid sits low)
-    position = min(POSITIONS, key=lambda k: (POSITIONS[k][0] - fx) ** 2 + (POSITIONS[k][1] - fy) ** 2)
-    return dict(color=color, shape=max(iou, key=iou.get), position=position)
-
-
-def grade(images, attrs):
-    """Judge each image against its intended attributes -> accuracies (0..1) per attribute and all three."""
-    keys, hits = ("color", "shape", "position"), collections.Counter()
-    for img, want in zip(images, attrs):
-        got = judge(img)
-        ok = {k: got[k] == want[k] for k in keys}
-        hits.update(dict(ok, all=all(ok.values())))
-    return {k: hits[k] / max(len(attrs), 1) for k in keys + ("all",)}
-
-
-# -----------------------------------------------------------------------------------------------
-# Images <-> tensors
-# -----------------------------------------------------------------------------------------------
+# ---- Images <-> tensors ---------------------------------------------------------------------------------------------
 BACKGROUND = (255, 255, 255)  # what transparent pixels become: white, the page an emoji or a logo sits on
 
 
@@ -204,9 +161,7 @@ def stack_uint8(images, size):
     return as_uint8(torch.stack([to_tensor(im, size) for im in images]))
 
 
-# -----------------------------------------------------------------------------------------------
-# WebDataset streaming: shards -> (rank, worker) split -> samples -> shuffle buffer -> batches
-# -----------------------------------------------------------------------------------------------
+# ---- WebDataset streaming: shards -> (rank, worker) split -> samples -> shuffle buffer -> batches -------------------
 def tars(folder):
     """The .tar files of a folder, sorted."""
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".tar"))
@@ -376,10 +331,7 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
             f"fewer --workers or ranks, or more data.")
 
 
-# ===============================================================================================
-# What a first read may skip: files written whole, offline tools (shard converter, emoji set, precompute),
-# the real pictures that scores compare with, and the command line
-# ===============================================================================================
+# ==== What a first read may skip: files written whole, the offline tools (converter, emoji, precompute), the CLI ====
 def atomic_write(path, write, keep=None):
     """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
     given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
@@ -450,16 +402,9 @@ def list_images(src):
     return [(os.path.join(os.path.dirname(os.path.abspath(src)), r["path"]), r.get("caption")) for r in rows]
 
 
-def sha256(path):
-    """A file's SHA-256, hex."""
-    import hashlib
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def write_shards(src, out, size=256, per_shard=1000, quality=95):
-    """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`) + manifest.json (sha256, counts,
-    skips); smaller images are skipped, never upsampled (the seed's LAION export rule), and so are corrupt ones."""
+    """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`), manifest.json (sha256, counts,
+    skips) and SHA256SUMS; smaller images are skipped, never upsampled (the seed's LAION rule), and corrupt ones."""
     from tqdm import tqdm
     items, skipped, shards, sink, n = list_images(src), [], [], None, 0
     os.makedirs(out, exist_ok=True)
@@ -488,31 +433,16 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
         sink.close()
     for s in shards:
         os.replace(os.path.join(out, s["name"] + ".tmp"), os.path.join(out, s["name"]))
-        s["sha256"] = sha256(os.path.join(out, s["name"]))
+        with open(os.path.join(out, s["name"]), "rb") as f:
+            s["sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
+    with open(os.path.join(out, "SHA256SUMS"), "w") as f:  # check the shards anywhere: sha256sum -c SHA256SUMS
+        f.writelines(f"{s['sha256']}  {s['name']}\n" for s in shards)
     manifest = dict(size=size, quality=quality, samples=sum(s["samples"] for s in shards), shards=shards,
                     skipped=skipped)
     write_json(os.path.join(out, "manifest.json"), manifest)
     print(f"{manifest['samples']} images -> {len(shards)} shards in {out}; {len(skipped)} skipped"
           + "".join(f"\n  skipped {s['path']}: {s['reason']}" for s in skipped))
     return manifest
-
-
-def verify_shards(out):
-    """Check every shard against manifest.json (sha256 and sample count) -> list of problems."""
-    manifest, bad = read_json(os.path.join(out, "manifest.json")), []
-    if manifest is None:
-        raise SystemExit(f"{out}: no manifest.json; --verify checks folders written by `python data.py shards`")
-    for s in manifest["shards"]:
-        p = os.path.join(out, s["name"])
-        if not os.path.exists(p):
-            bad.append(f"{s['name']}: missing")
-        elif sha256(p) != s["sha256"]:
-            bad.append(f"{s['name']}: sha256 differs from the manifest")
-        elif sum(1 for _ in read_tars([p])) != s["samples"]:
-            bad.append(f"{s['name']}: sample count differs from the manifest")
-    print(f"{out}: {len(manifest['shards'])} shards, {manifest['samples']} samples: "
-          + ("OK" if not bad else "BAD\n  " + "\n  ".join(bad)))
-    return bad
 
 
 EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"  # apt-get install fonts-noto-color-emoji
@@ -593,21 +523,6 @@ def names_set(folder, size):
     return dict(names, root=folder, real=real)
 
 
-def real_images(shards, size, n, seed=0):
-    """n samples of raw shards (shuffled, bad ones skipped) -> (uint8 (n, 3, size, size), their captions)."""
-    images, captions = [], []
-    for b in ShardStream(resolve_shards(shards, size), 1, size, seed=seed):
-        if "image" not in b:
-            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} shards")
-        images.append(b["image"][0])
-        captions.append(b["caption"][0])
-        if len(images) == n:
-            break
-    if len(images) < 2:
-        raise SystemExit(f"--real {shards!r}: FID needs at least 2 real images, found {len(images)}")
-    return as_uint8(torch.stack(images)), captions
-
-
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
     """Raw shards -> shards of {latent.npy, text.npy (fp16; real tokens), mask.npy, txt}, one per input shard, same
     order. Resumable: a finished shard exists under its final name (written to .tmp, then renamed) and is skipped."""
@@ -654,16 +569,14 @@ def precomputed_meta(folder):
 
 if __name__ == "__main__":
     import argparse
-    p = argparse.ArgumentParser(description="Built-in data check (no command), shard converter, emoji set, precompute.")
-    sub = p.add_subparsers(dest="cmd")
-    s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json")
-    s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption "
-                   "(with --verify: the shard folder)")
-    s.add_argument("out", nargs="?", help="output folder for shard-XXXXX.tar and manifest.json")
+    p = argparse.ArgumentParser(description="The offline tools: shard converter, emoji set, precompute.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json + SHA256SUMS")
+    s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption")
+    s.add_argument("out", help="output folder for shard-XXXXX.tar, manifest.json and SHA256SUMS")
     s.add_argument("--size", type=int, default=256, help="square side in pixels (smaller images are skipped)")
     s.add_argument("--per-shard", type=int, default=1000, help="images per shard")
     s.add_argument("--quality", type=int, default=95, help="JPEG quality")
-    s.add_argument("--verify", action="store_true", help="only check <out> against its manifest.json")
     e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
     e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
     e.add_argument("--categories", default="animals,food", help=f"comma-separated {','.join(EMOJI_CATEGORIES)} or all")
@@ -677,18 +590,9 @@ if __name__ == "__main__":
     c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
     a = p.parse_args()
-    if a.cmd == "shards" and a.verify:
-        raise SystemExit(1 if verify_shards(a.out or a.src) else 0)
-    elif a.cmd == "shards" and a.out:
+    if a.cmd == "shards":
         write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
-    elif a.cmd == "shards":
-        p.error("shards: give SRC and OUT (or --verify FOLDER)")
     elif a.cmd == "emoji":
         make_emoji(a.out, a.categories.split(","), a.size, a.font)
-    elif a.cmd == "precompute":
+    else:
         precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
-    else:  # no command: build (or find) the built-in data, and check the judge on it
-        shards = resolve_shards(BUILTIN, 32)
-        samples = list(read_tars(shards[:2]))
-        print(f"{len(shards)} shards; the judge on the images of the first two:",
-              grade([open_image(s["png"]) for s in samples], [json.loads(s["json"]) for s in samples]))

@@ -26,9 +26,7 @@ if sys.version_info < (3, 11):  # (hashlib.file_digest, warnings.catch_warnings(
     raise SystemExit(f"this code needs Python 3.11 or newer; this is {sys.version.split()[0]}")
 
 
-# -----------------------------------------------------------------------------------------------
-# Small pieces
-# -----------------------------------------------------------------------------------------------
+# ---- Small pieces ---------------------------------------------------------------------------------------------------
 def modulate(x, shift, scale):
     """adaLN: x (B, N, D) scaled and shifted per sample by (B, D) vectors."""
     return x * (1 + scale[:, None]) + shift[:, None]
@@ -50,9 +48,7 @@ def sincos_2d(n_side, dim):
     return torch.cat(parts, dim=1)
 
 
-# -----------------------------------------------------------------------------------------------
-# Attention: manual and SDPA side by side
-# -----------------------------------------------------------------------------------------------
+# ---- Attention: manual and SDPA side by side ------------------------------------------------------------------------
 def attention(q, k, v, keep, impl="sdpa"):
     """q, k, v (B, H, N, d); keep (B, N) bool = which keys may be attended -> (B, H, N, d)."""
     if impl == "sdpa":
@@ -62,9 +58,7 @@ def attention(q, k, v, keep, impl="sdpa"):
     return scores.softmax(dim=-1) @ v
 
 
-# -----------------------------------------------------------------------------------------------
-# One stream's weights, and the dual-stream block
-# -----------------------------------------------------------------------------------------------
+# ---- One stream's weights, and the dual-stream block ----------------------------------------------------------------
 class Stream(nn.Module):
     """Per-stream weights of one layer: adaLN, QKV, QK-RMSNorm, and (unless pre_only) out + MLP.
     `moe` (a dict of MoE arguments) makes the MLP a mixture of experts (moe.py)."""
@@ -117,9 +111,7 @@ class Block(nn.Module):
         return x, c
 
 
-# -----------------------------------------------------------------------------------------------
-# The whole model
-# -----------------------------------------------------------------------------------------------
+# ---- The whole model ------------------------------------------------------------------------------------------------
 class DiT(nn.Module):
     """(z_t (B, C, H, W), t (B,), text (B, L, D_text), mask (B, L)) -> velocity (B, C, H, W)."""
 
@@ -198,9 +190,7 @@ def count_params(model):
     return sum(p.numel() for p in model.parameters()), count_active(model)
 
 
-# -----------------------------------------------------------------------------------------------
-# Frozen encoders: what the model reads through (text encoder, VAE); never trained
-# -----------------------------------------------------------------------------------------------
+# ---- Frozen encoders: what the model reads through (text encoder, VAE); never trained -------------------------------
 def pad(seqs, masks=None):
     """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L) bool, L the longest here; row i of the
     mask is masks[i] where given, else True over sequence i."""
@@ -312,9 +302,7 @@ def load_vae(name, device="cpu"):
     return None if name == "none" else VAE(name, device)
 
 
-# -----------------------------------------------------------------------------------------------
-# Size presets (DiT's S/B/L/XL; DiT-MoE adds "-8E2A" = 8 experts, 2 active) and their counts
-# -----------------------------------------------------------------------------------------------
+# ---- Size presets (DiT's S/B/L/XL; DiT-MoE adds "-8E2A" = 8 experts, 2 active) and their counts ---------------------
 SIZES = {"S": dict(width=384, depth=12, heads=6), "B": dict(width=768, depth=12, heads=12),
          "L": dict(width=1024, depth=24, heads=16), "XL": dict(width=1152, depth=28, heads=16)}
 

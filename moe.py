@@ -93,7 +93,8 @@ class MoE(nn.Module):
         w = w / w.sum(-1, keepdim=True)
         f = expert_counts(idx, self.E).float() / idx.numel()                # (E,) sums to 1
         # Switch balance loss (--balance aux); the bias needs none
-        self.aux_loss = self.alpha * self.E * (f * probs.mean(0)).sum() if self.balance == "aux" else probs.new_zeros(())
+        aux = self.alpha * self.E * (f * probs.mean(0)).sum()
+        self.aux_loss = aux if self.balance == "aux" else probs.new_zeros(())
         with torch.no_grad():  # for log.jsonl: load per expert, router entropy
             ent = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
             self.stats = dict(load=f.detach(), entropy=ent, idx=idx.detach())
@@ -103,7 +104,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D): every image token of every sample
         _, w, idx = self.route(x)
-        y = {"loop": self.dispatch_loop, "sorted": self.dispatch_sorted, "grouped": self.dispatch_grouped}[self.impl](x, w, idx)
+        y = getattr(self, f"dispatch_{self.impl}")(x, w, idx)  # loop | sorted | grouped
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(shape)

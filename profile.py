@@ -72,9 +72,7 @@ def get_args(argv=None):
     return train.get_args(argv, parser=p)
 
 
-# -----------------------------------------------------------------------------------------------
-# compute: forward / backward / optimiser of train.py's own step, on a real built-in batch
-# -----------------------------------------------------------------------------------------------
+# ---- compute: forward / backward / optimiser of train.py's own step, on a real built-in batch -----------------------
 def rss_mb():
     """Current resident set size of this process, MB (Linux)."""
     with open("/proc/self/statm") as f:
@@ -294,7 +292,8 @@ def ratio_table(args, flag, values, runs):
     rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
     ref = rows[values[0]]
     head = ([f"--{flag}"] + [f"{k} ms" for k in phases] + ["step ms", "img/s", "peak MB", "optimizer state MB/rank",
-            "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader + [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
+            "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader + [f"step ÷ {values[0]}",
+                                                                          f"mem ÷ {values[0]}"])
     lines = []
     for v, row in rows.items():
         lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
@@ -321,9 +320,7 @@ def ratio_table(args, flag, values, runs):
     return rows, text
 
 
-# -----------------------------------------------------------------------------------------------
-# suite: every one-flag claim of the README at sizes that suit the device found, one table each
-# -----------------------------------------------------------------------------------------------
+# ---- suite: every one-flag claim of the README at sizes that suit the device found, one table each ------------------
 def claims(gpu):
     """[(key, title, profile.py arguments)]: GPU sizes fill ~8 minutes of one H100-class GPU; CPU sizes
     run the very same code tiny (~5 minutes on 2 cores)."""

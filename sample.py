@@ -7,7 +7,7 @@
 
 Sampling is flow.generate on the EMA weights (`--raw`: the trained ones), decoded by the VAE where the model learnt
 latents. What scores the samples depends on the data (below the banner; train.py's grids use the same code):
-  * built-in shapes: every colour x shape x position in wordings never trained on, named by data.judge;
+  * built-in shapes: every colour x shape x position in wordings never trained on, named by judge();
   * a names set (`python data.py emoji`): every name in an unseen wording; NameNet, a small CNN trained here on the
     real pictures alone (cached beside them), gives the features for retrieval top-1/top-5 (is the nearest real
     picture the named one?), FID/KID/IS, and sharpness (mean |Laplacian| over the real pictures');
@@ -16,14 +16,17 @@ latents. What scores the samples depends on the data (below the banner; train.py
 Checkpoints load with weights_only=True: tensors and plain values only, so loading runs no pickled code.
 """
 import argparse
+import collections
 import json
 import os
 import random
 import sys
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 import data
 import flow
@@ -106,7 +109,7 @@ def evaluate(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1
     if names:
         scores = score_names(fake, want, names, fid)
     else:
-        scores = data.grade(images, [a for _, a in prompts]) if judge else None
+        scores = grade(images, [a for _, a in prompts]) if judge else None
     return scores, fake, captions
 
 
@@ -124,7 +127,6 @@ def report(scores, n, how):
 
 def save_grid(images, path, nrow=8, scale=2):
     """Tile PIL images into one PNG (upscaled with nearest so 32-px pixels stay visible)."""
-    from PIL import Image
     w, h = images[0].size
     cols, rows = min(nrow, len(images)), (len(images) + nrow - 1) // nrow
     grid = Image.new("RGB", (cols * w, rows * h))
@@ -165,7 +167,7 @@ def main(argv=None):
         raise SystemExit("--eval: the judge knows only the built-in data and sets with a names.json (python "
                          "data.py emoji); for this checkpoint pass --real and/or --clip-model")
     if args.real:  # FID/IS: the real captions drawn, then set against the real images
-        real, captions = data.real_images(args.real, targs["image_size"], args.real_n, args.seed)
+        real, captions = real_images(args.real, targs["image_size"], args.real_n, args.seed)
         fake = fakes(captions)
         scores.update(fid_is(real, fake, nets, args.batch), n_real=len(real))
         print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- {scores['inception_score_std']:.2f}"
@@ -182,9 +184,45 @@ def main(argv=None):
     return scores
 
 
-# ===============================================================================================
-# What a first read may skip: the scoring networks (NameNet, FID/IS, CLIPScore), routing maps, loss.png
-# ===============================================================================================
+# ==== What a first read may skip: the scorers (the judge, NameNet, FID/IS, CLIPScore), routing maps, loss.png =====
+def judge(img):
+    """PIL image or uint8 (H, W, 3) array -> dict(color, shape, position); None where nothing is seen."""
+    from scipy import ndimage
+    a = np.asarray(img.convert("RGB") if isinstance(img, Image.Image) else img, dtype=np.float32)
+    H, W, _ = a.shape
+    border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
+    diff = np.abs(a - np.median(border, axis=0)).max(-1)  # distance from the background colour
+    labels, n = ndimage.label(diff > 60)  # 4-connected blobs: the largest is the shape, the rest noise specks
+    mask = labels == 1 + np.bincount(labels.ravel())[1:].argmax() if n else labels > 0
+    if mask.sum() < 0.01 * H * W:
+        return dict(color=None, shape=None, position=None)
+    core = mask & (diff > 0.5 * diff[mask].max())  # skip antialiased rim pixels for the colour
+    rgb = a[core].mean(0)
+    color = min(data.COLORS, key=lambda k: np.sum((rgb - np.array(data.COLORS[k])) ** 2))
+    # shape: which ideal shape, drawn in the blob's bounding box, overlaps it best (IoU)
+    ys, xs = np.nonzero(mask)
+    y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
+    yy, xx = np.mgrid[0:H, 0:W] + 0.5
+    cx, cy, rx, ry = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2
+    inbox = (xx >= x0) & (xx <= x1) & (yy >= y0) & (yy <= y1)
+    ideal = {"circle": ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2 <= 1, "square": inbox,
+             "triangle": inbox & (np.abs(xx - cx) <= rx * (yy - y0) / (y1 - y0))}
+    iou = {k: (m & mask).sum() / (m | mask).sum() for k, m in ideal.items()}
+    fx, fy = (x0 + x1) / 2 / W, (y0 + y1) / 2 / H  # box centre (a triangle's centroid sits low)
+    position = min(data.POSITIONS, key=lambda k: (data.POSITIONS[k][0] - fx) ** 2 + (data.POSITIONS[k][1] - fy) ** 2)
+    return dict(color=color, shape=max(iou, key=iou.get), position=position)
+
+
+def grade(images, attrs):
+    """Judge each image against its intended attributes -> accuracies (0..1) per attribute and all three."""
+    keys, hits = ("color", "shape", "position"), collections.Counter()
+    for img, want in zip(images, attrs):
+        got = judge(img)
+        ok = {k: got[k] == want[k] for k in keys}
+        hits.update(dict(ok, all=all(ok.values())))
+    return {k: hits[k] / max(len(attrs), 1) for k in keys + ("all",)}
+
+
 class NameNet(torch.nn.Module):
     """A small CNN trained here on the real pictures alone to tell the names apart: uint8 (N, 3, H, W) -> (features
     (N, 4w), logits (N, names)). Not Inception: its FID compares runs on one set, not with published numbers."""
@@ -275,6 +313,21 @@ def names_grid(fake, want, real, path, cols=12, blocks=2):
     rows = [pick[b * cols:(b + 1) * cols] for b in range(blocks)]
     pil = [data.to_pil(x) for r in rows for x in [*real[r], *fake[[first[i] for i in r]]]]
     save_grid(pil, path, nrow=len(rows[0]), scale=3)
+
+
+def real_images(shards, size, n, seed=0):
+    """n samples of raw shards (shuffled, bad ones skipped) -> (uint8 (n, 3, size, size), their captions)."""
+    images, captions = [], []
+    for b in data.ShardStream(data.resolve_shards(shards, size), 1, size, seed=seed):
+        if "image" not in b:
+            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; pass raw {{jpg|png, txt}} shards")
+        images.append(b["image"][0])
+        captions.append(b["caption"][0])
+        if len(images) == n:
+            break
+    if len(images) < 2:
+        raise SystemExit(f"--real {shards!r}: FID needs at least 2 real images, found {len(images)}")
+    return data.as_uint8(torch.stack(images)), captions
 
 
 class Pick(torch.nn.Module):

@@ -32,12 +32,10 @@ CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision", "bias_rate",
                            "text_encoder", "vae", "image_size")  # --resume refuses a change to these (see --override)
-HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # for torchrun --signals-to-handle: its default lacks USR1
+HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun --signals-to-handle: its default lacks USR1
 
 
-# -----------------------------------------------------------------------------------------------
-# Flags
-# -----------------------------------------------------------------------------------------------
+# ---- Flags ----------------------------------------------------------------------------------------------------------
 def get_parser():
     p = argparse.ArgumentParser(description="Train a text-to-image MM-DiT with rectified flow.")
     a = p.add_argument
@@ -119,9 +117,7 @@ def overrides(args):
     return [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
 
 
-# -----------------------------------------------------------------------------------------------
-# Set-up: the run's state, built once, advanced by every step, saved by every checkpoint
-# -----------------------------------------------------------------------------------------------
+# ---- Set-up: the run's state, built once, advanced by every step, saved by every checkpoint -------------------------
 @dataclasses.dataclass
 class Run:
     """Everything a training run holds. setup() builds the first block; the rest changes as it trains."""
@@ -242,9 +238,7 @@ def start(args):
     return run
 
 
-# -----------------------------------------------------------------------------------------------
-# One training step
-# -----------------------------------------------------------------------------------------------
+# ---- One training step ----------------------------------------------------------------------------------------------
 def train_step(run, args, micro, mark=None):
     """One optimizer step over this rank's --grad-accum micro-batches [(x0, text, mask)]: flow loss (+ MoE
     balance loss) -> backward per micro-batch -> clip at 1.0 -> AdamW -> schedule -> EMA. No host sync: on a
@@ -319,9 +313,7 @@ def encode_batch(run, b):
     return (x0 if run.vae is None else run.vae.encode(x0)), text, mask
 
 
-# -----------------------------------------------------------------------------------------------
-# The loop
-# -----------------------------------------------------------------------------------------------
+# ---- The loop -------------------------------------------------------------------------------------------------------
 def train_loop(args, run, signals):
     """batch -> encode -> step -> log / samples / checkpoint, until --steps, a stop signal (-> True: this
     or another rank was sent one) or too many bad steps."""
@@ -412,9 +404,7 @@ def main(argv=None):
         signals.restore()
 
 
-# ===============================================================================================
-# What a first read may skip: checkpoints, DeepSpeed, evaluation, stop signals, exits
-# ===============================================================================================
+# ==== What a first read may skip: checkpoints, DeepSpeed, evaluation, stop signals, exits ============================
 def save_checkpoint(run, args):
     """Every rank calls this (the data positions are gathered); rank 0 writes <out>/ckpt.pt, atomically and fsynced,
     the one before kept as ckpt.prev.pt. -> False where an OSError (disk full, I/O) stopped it: a warning, nothing
@@ -451,7 +441,7 @@ def save_checkpoint(run, args):
 
 def read_checkpoint(out, dev, rank=0):
     """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable (every rank finds
-    the same); rank 0 renames an unreadable ckpt.pt ckpt.bad.pt, so it never pushes the good one out at the next save."""
+    the same); rank 0 renames an unreadable ckpt.pt to ckpt.bad.pt, so it never pushes the good one out later."""
     errors = []
     for name in (CKPT, PREV):
         try:
