@@ -1,10 +1,10 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
 In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule) -> one training step -> the loop,
-whose outline is main(); after one banner, what a first read may skip: checkpoints, DeepSpeed, evaluation, stop
-signals, exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off the RANK variable; profile.py
-and the tests reuse the very same parser and step. Resume is exact: a checkpoint holds model, EMA, optimizer,
-schedule, step, flags, every RNG state and each rank's data.Position.
+whose outline is main(); after one banner, what a first read may skip: logging, checkpoints, evaluation, signals,
+exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off the RANK variable; profile.py and the
+tests reuse its parser and step. Resume is exact: a checkpoint holds model, EMA, optimizer, schedule, step, flags,
+every RNG state and each rank's data.Position.
 """
 import argparse
 import contextlib
@@ -140,15 +140,15 @@ class Run:
     ckpt_step: int = None          # step of the last checkpoint this process wrote (None: none yet)
     ds_tag: str = None             # DeepSpeed: that checkpoint's partition folder
     shards: list = None            # the training data
-    judged: bool = False           # built-in shapes: data.judge grades samples
+    judged: bool = False           # built-in shapes: sample.judge grades samples
     names: dict = None             # a names set (python data.py emoji): retrieval scores samples
     log: object = None             # log.jsonl, open on rank 0
     t_start: float = 0.0           # time.time() at start-up
 
 
 def setup(args, shape=None):
-    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule -> the Run the loop uses.
-    `shape` = (channels, side, text dim) of the model's inputs, where profile.py times synthetic ones."""
+    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule -> the Run; `shape` = (channels, side,
+    text dim) of the model's inputs where profile.py times synthetic ones."""
     dev, rank, local_rank, world = device(), 0, 0, 1
     if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
         rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -196,8 +196,14 @@ def setup(args, shape=None):
     gen = torch.Generator(dev).manual_seed(args.seed)
     fwd = torch.compile(model) if args.compile else model  # EMA, samples, ckpts use the plain module
     engine = None
-    if args.dist == "deepspeed":
-        engine = fwd = deepspeed_engine(args, model, opt, rank)  # engine(...) runs the model; .backward/.step
+    if args.dist == "deepspeed":  # ZeRO-2: optimizer states and gradients partitioned over ranks, weights replicated
+        import deepspeed  # (our AdamW is passed in: nothing is JIT-built; clipping as in the others)
+        ds = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
+        if rank == 0:
+            print("deepspeed config:", json.dumps(ds))
+        engine = fwd = deepspeed.initialize(model=model, optimizer=opt, config=ds)[0]  # runs the model too
     elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
@@ -240,11 +246,10 @@ def start(args):
 
 # ---- One training step ----------------------------------------------------------------------------------------------
 def train_step(run, args, micro, mark=None):
-    """One optimizer step over this rank's --grad-accum micro-batches [(x0, text, mask)]: flow loss (+ MoE
-    balance loss) -> backward per micro-batch -> clip at 1.0 -> AdamW -> schedule -> EMA. No host sync: on a
-    GPU the host queues the next step while this one runs. A non-finite loss or gradient norm changes no
-    weight, moment or EMA (fused AdamW's `found_inf`, as under GradScaler; ZeRO skips its own update) but
-    takes its step number; run.bad counts them on the device. `mark(phase)` lets profile.py time the phases."""
+    """One optimizer step over this rank's micro-batches [(x0, text, mask)]: flow loss (+ MoE balance loss) -> backward
+    per micro-batch -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (a GPU runs ahead). A non-finite loss
+    or gradient norm changes no weight, moment or EMA (fused AdamW's `found_inf`, as under GradScaler; ZeRO skips its
+    update) but takes its step number; run.bad counts them. `mark(phase)` lets profile.py time the phases."""
     mark = mark or (lambda phase: None)
     n, N, W, r, dev = micro[0][0].shape[0], len(micro), run.world, run.rank, run.dev
     keep = torch.rand(n * N * W, generator=run.gen, device=dev) >= args.cfg_drop  # (global batch,)
@@ -304,8 +309,8 @@ def train_step(run, args, micro, mark=None):
 
 
 def encode_batch(run, b):
-    """A loader batch -> (x0, text tokens, mask) on the device: raw images and captions go through
-    the frozen VAE and text encoder; precomputed shards (`python data.py precompute`) skip both."""
+    """A loader batch -> (x0, text tokens, mask) on the device, through the frozen VAE and text encoder (unless
+    `python data.py precompute` already ran them)."""
     if "latent" in b:
         return b["latent"].to(run.dev).float(), b["text"].to(run.dev).float(), b["mask"].to(run.dev)
     x0 = b["image"].to(run.dev, non_blocking=True)
@@ -315,8 +320,7 @@ def encode_batch(run, b):
 
 # ---- The loop -------------------------------------------------------------------------------------------------------
 def train_loop(args, run, signals):
-    """batch -> encode -> step -> log / samples / checkpoint, until --steps, a stop signal (-> True: this
-    or another rank was sent one) or too many bad steps."""
+    """batch -> encode -> step -> log / grid / checkpoint, to --steps or a stop signal (-> True: some rank got one)."""
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=run.step, desc="train", dynamic_ncols=True, disable=run.rank != 0)
     n_seen, t_window, stopped = 0, time.time(), False
@@ -324,7 +328,7 @@ def train_loop(args, run, signals):
                           args.workers, run.position)  # (which it keeps up to date)
     try:
         signals.defer = run.world > 1  # one process: a signal while it waits for data stops it at once
-        b = first_batch(run, stream) if run.step < args.steps else None
+        b = next(stream) if run.step < args.steps else None  # (data.batches exits where a rank has no batch)
         while b is not None:
             signals.defer = True  # from here the step finishes before a signal is acted on
             micro = [encode_batch(run, b)] + [encode_batch(run, next(stream)) for _ in range(args.grad_accum - 1)]
@@ -354,31 +358,6 @@ def train_loop(args, run, signals):
     return stopped
 
 
-def log_step(run, args, out, signals, img_per_s, bar):
-    """A log step: one all-reduce gives every rank the global loss and whether any rank was signalled;
-    the log line; too many non-finite steps in a row stop every rank. -> True: stop now."""
-    flags = torch.stack([out["loss"].float(), torch.full((), float(bool(signals.caught)), device=run.dev)])
-    if run.world > 1:
-        dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
-    loss_sum, stop = flags.tolist()
-    total, in_a_row, longest = (int(v) for v in run.bad.tolist())  # the same on every rank (see train_step)
-    if run.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
-        rec = dict(step=run.step, loss=loss_sum / run.world, loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
-                   lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(), img_per_s=img_per_s,
-                   skipped=run.position.skipped, epoch=run.position.epoch, bad_steps=total)
-        if in_a_row:  # this step's update was skipped
-            rec["bad_step"] = True
-        if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-            rec.update(balance_loss=out["balance"].item(), routing=routing_stats(run.model))
-        data.append_json(run.log, rec)
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
-    if longest >= args.max_bad_steps:
-        end(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite loss or gradient norm "
-                    f"and were skipped. The last checkpoint is {args.out}/{CKPT} at step {run.ckpt_step} (a skipped "
-                    f"step changes no weight): check the data, or resume from it with a lower --lr (--override lr)")
-    return stop > 0
-
-
 def main(argv=None):
     """flags -> start-up -> the loop -> a checkpoint and exit on a stop signal, else the final evaluation."""
     args = get_args(argv)
@@ -396,24 +375,52 @@ def main(argv=None):
             code = final_evaluation(args, run, signals)    # rank 0: every held-out prompt or name, scored
         return end(run, code)
     except Interrupted as e:  # start-up, final samples, or a second signal: leave now, nothing half-written
-        print(f"caught {e}: exiting at once; the last checkpoint written stands", file=sys.stderr, flush=True)
+        signum = e.args[0]
+        print(f"caught {signal.Signals(signum).name}: exiting at once; the last checkpoint written stands",
+              file=sys.stderr, flush=True)
         if dist.is_initialized():
-            os._exit(128 + e.signum)
-        raise SystemExit(128 + e.signum)
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
     finally:
-        signals.restore()
+        for s, handler in signals.old.items():  # (the tests call main() again in the same process)
+            signal.signal(s, handler)
 
 
-# ==== What a first read may skip: checkpoints, DeepSpeed, evaluation, stop signals, exits ============================
+# ==== What a first read may skip: logging, checkpoints, evaluation, stop signals, exits ==============================
+def log_step(run, args, out, signals, img_per_s, bar):
+    """One all-reduce: the global loss, and whether any rank was signalled (-> True: stop); the log line; too many
+    non-finite steps in a row stop every rank."""
+    flags = torch.stack([out["loss"].float(), torch.full((), float(bool(signals.caught)), device=run.dev)])
+    if run.world > 1:
+        dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
+    loss_sum, stop = flags.tolist()
+    total, in_a_row, longest = (int(v) for v in run.bad.tolist())  # the same on every rank (see train_step)
+    if run.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
+        rec = dict(step=run.step, loss=loss_sum / run.world, loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
+                   lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(), img_per_s=img_per_s,
+                   skipped=run.position.skipped, epoch=run.position.epoch, bad_steps=total)
+        if in_a_row:  # this step's update was skipped
+            rec["bad_step"] = True
+        if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
+            rec.update(balance_loss=out["balance"].item(), routing=routing_stats(run.model))
+        data.append_json(run.log, rec)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
+    if longest >= args.max_bad_steps:
+        end(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite loss or gradient norm "
+                    f"(each skipped: no weight changed). The last checkpoint is {args.out}/{CKPT} at step "
+                    f"{run.ckpt_step}: check the data, or resume from it with a lower --lr (--override lr)")
+    return stop > 0
+
+
 def save_checkpoint(run, args):
     """Every rank calls this (the data positions are gathered); rank 0 writes <out>/ckpt.pt, atomically and fsynced,
     the one before kept as ckpt.prev.pt. -> False where an OSError (disk full, I/O) stopped it: a warning, nothing
-    half-written, the next save retries. DeepSpeed: each rank's partition first goes to <out>/deepspeed/<tag>."""
-    tag = deepspeed_save(run, args) if run.engine is not None else None
-    if tag is False:
-        return False
+    half-written, the next save retries."""
+    tag = f"step{run.step:06d}" if run.engine is not None else None  # DeepSpeed: each rank's optimizer partition
+    if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
+        run.engine.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
     positions = [dataclasses.asdict(run.position)] * run.world
-    if run.world > 1:
+    if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
         dist.all_gather_object(positions, positions[0])
     if run.rank != 0:
         return True
@@ -440,8 +447,8 @@ def save_checkpoint(run, args):
 
 
 def read_checkpoint(out, dev, rank=0):
-    """-> (file name, checkpoint): ckpt.pt, or ckpt.prev.pt where ckpt.pt is missing or unreadable (every rank finds
-    the same); rank 0 renames an unreadable ckpt.pt to ckpt.bad.pt, so it never pushes the good one out later."""
+    """-> (name, checkpoint): ckpt.pt, else ckpt.prev.pt; rank 0 renames an unreadable ckpt.pt to ckpt.bad.pt, so it
+    never becomes the previous one (every rank reads the same: rank 0 renames only after it failed to read)."""
     errors = []
     for name in (CKPT, PREV):
         try:
@@ -461,8 +468,7 @@ def read_checkpoint(out, dev, rank=0):
 
 
 def load_checkpoint(run, args):
-    """Resume: every model, optimizer, RNG and data state of the checkpoint, its flags checked first.
-    -> (file name, {changed flag: (saved, now)})."""
+    """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
     name, ckpt = read_checkpoint(args.out, run.dev, run.rank)
     changed = {k: (ckpt["args"][k], getattr(args, k)) for k in TRAJECTORY if ckpt["args"][k] != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in overrides(args)}
@@ -498,44 +504,14 @@ def load_checkpoint(run, args):
     return name, changed
 
 
-def deepspeed_engine(args, model, opt, rank):
-    """DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned over ranks, parameters replicated.
-    Our torch AdamW is passed in (no fused_adam JIT build); clipping as in the others."""
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise SystemExit("--dist deepspeed needs DeepSpeed: pip install -r requirements.txt") from e
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
-    config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-              "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
-    if rank == 0:
-        print("deepspeed config:", json.dumps(config))
-    return deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
-
-
-def deepspeed_save(run, args):
-    """Every rank writes its optimizer partition to <out>/deepspeed/<tag>; ckpt.pt may name the tag only
-    once all are on disk. -> the tag, or False where any rank could not write (an OSError: a warning)."""
-    tag, ok = f"step{run.step:06d}", torch.ones(1, device=run.dev)
-    try:
-        run.engine.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
-    except OSError as e:
-        print(f"warning: rank {run.rank}: DeepSpeed partition {tag} not written ({e})", file=sys.stderr)
-        ok.zero_()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return tag if ok.item() else False
-
-
-def sample_grid(run, args, path, n_each=1, seed=1234, fid=False):
-    """EMA samples of every held-out prompt (or name) -> a PNG grid, and their scores (None: no judge for the data)."""
-    return sample.evaluate(run.ema, run.encoder, run.vae, run.names, path, n_each, args.sample_steps, args.cfg, seed,
-                           args.t_shift, fid=fid, judge=run.judged)[0]
+def sample_grid(run, args, path):
+    """EMA samples of every held-out prompt (or name), fixed noise -> a PNG grid and its scores (None: no judge)."""
+    return sample.evaluate(run.ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
+                           args.t_shift, judge=run.judged)[0]
 
 
 def final_evaluation(args, run, signals):
-    """Rank 0, after the last checkpoint: a last grid, then every held-out prompt (built-in data) or every
-    name (a named-picture set) --eval-n times in wording never trained on, scored. -> exit status."""
+    """Rank 0, after the last checkpoint: every held-out prompt or name --eval-n times, scored. -> exit status."""
     if run.rank != 0:
         return 0
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
@@ -544,32 +520,29 @@ def final_evaluation(args, run, signals):
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
-    sample_grid(run, args, os.path.join(args.out, "samples", f"step_{run.step:06d}.png"))
-    if args.eval_n and not (run.judged or run.names):
-        print(f"no judge for {args.data}: score the checkpoint with sample.py --eval --real <raw shards>")
-    elif args.eval_n:  # noise from --seed
-        scores = sample_grid(run, args, os.path.join(args.out, "samples", "eval.png"), args.eval_n, args.seed, True)
+    if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid
+        sample_grid(run, args, os.path.join(args.out, "samples", f"step_{run.step:06d}.png"))
+        if args.eval_n:
+            print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
+    else:  # every held-out prompt or name in wording never trained on, noise from --seed
+        grid = os.path.join(args.out, "samples", "eval.png")
+        scores, fake, _ = sample.evaluate(run.ema, run.encoder, run.vae, run.names, grid, args.eval_n,
+                                          args.sample_steps, args.cfg, args.seed, args.t_shift, fid=True)
         data.append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
-        n = args.eval_n * (len(run.names["names"]) if run.names else len(data.heldout_prompts(1)))
-        sample.report(scores, n, f"{args.sample_steps} steps, cfg {args.cfg}")
+        sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
     sample.plot_run(args.out)  # with the final scores
     return 0
 
 
 class Interrupted(BaseException):
-    """StopSignals' way out where a step cannot be waited for: a BaseException, so no `except Exception` eats it."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    """StopSignals' way out where no step is waited for (args[0]: the signal); no `except Exception` catches it."""
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (scancel, requeue, torchrun stopping). While
-    `defer` is set (inside the loop) the first is only noted: after this step (one process) or at the next log step
-    (where the ranks agree) every rank checkpoints and exits 0. Anywhere else, or at a second signal, it raises
-    Interrupted at once, so nobody waits on a stuck run. A repeat within `same_event` seconds is the same event
-    arriving twice (Slurm signals every process of a step, and torchrun forwards it to the ranks too)."""
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, requeue, torchrun). While `defer` is set the
+    first is only noted: after this step (one process) or at the next log step (where the ranks agree) every rank
+    checkpoints and exits 0. Anywhere else, or at a second signal, Interrupted is raised at once. A repeat within
+    `same_event` s is one event arriving twice (Slurm signals every process of a step; torchrun forwards it too)."""
 
     def __init__(self, same_event=2.0):
         self.caught, self.defer, self.pid, self.first, self.same_event = [], False, os.getpid(), None, same_event
@@ -585,25 +558,6 @@ class StopSignals:
         if not self.defer or again:
             raise Interrupted(signum)
 
-    def restore(self):
-        for s, handler in self.old.items():
-            signal.signal(s, handler)
-
-
-def first_batch(run, stream):
-    """Every rank fetches its first batch before any step; where one cannot, all stop with the reasons
-    (instead of the others waiting forever in an all-reduce)."""
-    try:
-        b, why = next(stream), None
-    except (SystemExit, Exception) as e:  # data.batches exits on an epoch without a batch
-        b, why = None, str(e)
-    whys = [why] * run.world
-    if run.world > 1:
-        dist.all_gather_object(whys, why)
-    if any(whys):
-        end(run, 1, "no training batch: " + "\n".join(dict.fromkeys(w for w in whys if w)))
-    return b
-
 
 def end(run, code, error=None):
     """Close the log; under torchrun check that the replicas agree (unless an `error` stops every rank at the same
@@ -614,12 +568,11 @@ def end(run, code, error=None):
         flat = torch.cat([p.detach().flatten() for p in run.model.parameters()])
         ref = flat.clone()
         dist.broadcast(ref, 0)
-        same, opt_bytes = [None] * run.world, [None] * run.world
-        dist.all_gather_object(same, torch.equal(flat, ref))
-        dist.all_gather_object(opt_bytes, optimizer_bytes(run.opt))  # ZeRO-2: each rank holds only its partition
+        per_rank = [None] * run.world  # (the same weights as rank 0?, optimizer state bytes: ZeRO-2 partitions them)
+        dist.all_gather_object(per_rank, (torch.equal(flat, ref), optimizer_bytes(run.opt)))
         if run.rank == 0:
-            print(f"parameters identical on all {run.world} ranks: {all(same)}")
-            print(f"optimizer state bytes per rank: {opt_bytes}")
+            print(f"parameters identical on all {run.world} ranks: {all(same for same, _ in per_rank)}")
+            print(f"optimizer state bytes per rank: {[n for _, n in per_rank]}")
     if dist.is_initialized():
         if error and run.rank == 0:
             print(error, file=sys.stderr, flush=True)
