@@ -63,10 +63,10 @@ def render(color, shape, pos, size=32, rng=None):
     return img.resize((size, size), Image.BOX)
 
 
-def random_caption(rng, templates=TEMPLATES):
+def random_caption(rng):
     """-> (caption, attributes) for a uniformly drawn colour, shape and position."""
     attrs = dict(color=rng.choice(list(COLORS)), shape=rng.choice(SHAPES), position=rng.choice(list(POSITIONS)))
-    text = rng.choice(templates).format(color=attrs["color"], shape=attrs["shape"], pos=attrs["position"])
+    text = rng.choice(TEMPLATES).format(color=attrs["color"], shape=attrs["shape"], pos=attrs["position"])
     return text, attrs
 
 

@@ -46,6 +46,7 @@ else:  # run as a script, or imported under another name
 
 PHASES = ("forward", "backward", "optimizer")
 CLAIMS = ("attn", "moe-impl", "moe", "compile", "compile-moe", "precision", "full-size", "loader")
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
 def get_args(argv=None):
@@ -72,14 +73,11 @@ def get_args(argv=None):
     return train.get_args(argv, parser=p)
 
 
-# ---- compute: forward / backward / optimiser of train.py's own step, on a real built-in batch -----------------------
+# ---- measure: one step of train.py, timed by phase, on a fixed batch or the real loop ----------------------------
 def rss_mb():
     """Current resident set size of this process, MB (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
-
-PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
 def fixed_batch(args, run):
@@ -116,40 +114,6 @@ def run_steps(run, args, n, get_batch, times=None):
         for phase, sec in step.items():
             if times is not None:
                 times.setdefault(phase, []).append(sec)
-
-
-def flops_per_step(run, args, batch):
-    """FLOPs of one training step of the DiT (frozen encoders not counted), by torch's FlopCounterMode."""
-    state = {k: getattr(run, k).state_dict() for k in ("model", "ema", "opt", "sched")}
-    micro = [train.encode_batch(run, batch)] * args.grad_accum
-    # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
-    # dispatch instead (useful FLOPs, without the padding rows), on the eager model
-    impls, fwd, bad = {m: m.impl for m in run.model.modules() if isinstance(m, MoE)}, run.fwd, run.bad
-    for m in impls:
-        m.impl = "sorted"
-    run.fwd = run.model if args.compile else fwd
-    with FlopCounterMode(display=False) as fc:
-        train.train_step(run, args, micro)
-    for k, v in state.items():  # that step was only counted: undo it
-        getattr(run, k).load_state_dict(v)
-    for m, impl in impls.items():
-        m.impl = impl
-    run.step, run.fwd, run.bad = run.step - 1, fwd, bad
-    return fc.get_total_flops()
-
-
-def loader_alone(args):
-    """The input pipeline alone, no model running -> images/s and seconds to the first batch."""
-    shards, B = data.resolve_shards(args.data, args.image_size), args.batch_size
-    t0, n = time.perf_counter(), 0
-    for i, b in enumerate(data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)):
-        if i == 0:
-            t0, first = time.perf_counter(), time.perf_counter() - t0
-        elif i <= args.loader_batches:
-            n += B
-        else:
-            break
-    return dict(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
 
 
 def measure(args):
@@ -219,20 +183,7 @@ def measure(args):
     return res
 
 
-def print_result(res, times):
-    """measure()'s result, a few lines for a reader."""
-    print(" | ".join(f"{k} {res[k + '_ms']:.1f} ms ({100 * res['share'][k]:.1f}%)" for k in times) + f" | step "
-          f"{res['step_ms']:.1f} ms | {res['img_per_s']:.0f} img/s | peak {res['peak_mem_mb']:.0f} MB | "
-          f"{res['params'] / 1e6:.2f}M params ({res['active_params'] / 1e6:.2f}M active) | "
-          f"{res['achieved_tflops'] * 1e3:.1f} GFLOP/s" + (f" | MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""))
-    if res["mode"] == "dataloader":
-        print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
-              f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
-    if "communication_ms" in res:
-        print(f"{res['world']} ranks: communication {res['communication_ms']:.1f} ms "
-              f"({100 * res['communication_share']:.1f}% of the step)")
-
-
+# ---- --compare FLAG=A,B: each setting in fresh processes, alternating, repeated ----------------------------------
 def strip(argv, with_value, switches=()):
     """argv without the given options (and the values of those in `with_value`)."""
     out, skip = [], False
@@ -283,6 +234,55 @@ def compare(args, argv):
     return rows, "\n".join(text)
 
 
+# ==== What a first read may skip: FLOP counting, the loader alone, printing, the ratio table, the suite ==========
+def flops_per_step(run, args, batch):
+    """FLOPs of one training step of the DiT (frozen encoders not counted), by torch's FlopCounterMode."""
+    state = {k: getattr(run, k).state_dict() for k in ("model", "ema", "opt", "sched")}
+    micro = [train.encode_batch(run, batch)] * args.grad_accum
+    # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
+    # dispatch instead (useful FLOPs, without the padding rows), on the eager model
+    impls, fwd, bad = {m: m.impl for m in run.model.modules() if isinstance(m, MoE)}, run.fwd, run.bad
+    for m in impls:
+        m.impl = "sorted"
+    run.fwd = run.model if args.compile else fwd
+    with FlopCounterMode(display=False) as fc:
+        train.train_step(run, args, micro)
+    for k, v in state.items():  # that step was only counted: undo it
+        getattr(run, k).load_state_dict(v)
+    for m, impl in impls.items():
+        m.impl = impl
+    run.step, run.fwd, run.bad = run.step - 1, fwd, bad
+    return fc.get_total_flops()
+
+
+def loader_alone(args):
+    """The input pipeline alone, no model running -> images/s and seconds to the first batch."""
+    shards, B = data.resolve_shards(args.data, args.image_size), args.batch_size
+    t0, n = time.perf_counter(), 0
+    for i, b in enumerate(data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)):
+        if i == 0:
+            t0, first = time.perf_counter(), time.perf_counter() - t0
+        elif i <= args.loader_batches:
+            n += B
+        else:
+            break
+    return dict(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
+
+
+def print_result(res, times):
+    """measure()'s result, a few lines for a reader."""
+    print(" | ".join(f"{k} {res[k + '_ms']:.1f} ms ({100 * res['share'][k]:.1f}%)" for k in times) + f" | step "
+          f"{res['step_ms']:.1f} ms | {res['img_per_s']:.0f} img/s | peak {res['peak_mem_mb']:.0f} MB | "
+          f"{res['params'] / 1e6:.2f}M params ({res['active_params'] / 1e6:.2f}M active) | "
+          f"{res['achieved_tflops'] * 1e3:.1f} GFLOP/s" + (f" | MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""))
+    if res["mode"] == "dataloader":
+        print(f"loader alone {res['loader_img_per_s']:.0f} img/s = {res['loader_over_model']:.1f}x what the model "
+              f"consumes; first batch after {res['loader_first_batch_s']:.2f} s")
+    if "communication_ms" in res:
+        print(f"{res['world']} ranks: communication {res['communication_ms']:.1f} ms "
+              f"({100 * res['communication_share']:.1f}% of the step)")
+
+
 def ratio_table(args, flag, values, runs):
     """Medians per value -> (rows {value: {key: median}}, the table's lines; ratios to the first value)."""
     phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
@@ -320,7 +320,6 @@ def ratio_table(args, flag, values, runs):
     return rows, text
 
 
-# ---- suite: every one-flag claim of the README at sizes that suit the device found, one table each ------------------
 def claims(gpu):
     """[(key, title, profile.py arguments)]: GPU sizes fill ~8 minutes of one H100-class GPU; CPU sizes
     run the very same code tiny (~5 minutes on 2 cores)."""
@@ -390,4 +389,9 @@ def suite(args):
 
 if __name__ == "__main__":
     args = get_args()
-    suite(args) if args.mode == "suite" else compare(args, sys.argv[1:]) if args.compare else measure(args)
+    if args.mode == "suite":
+        suite(args)
+    elif args.compare:
+        compare(args, sys.argv[1:])
+    else:
+        measure(args)

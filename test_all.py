@@ -204,7 +204,8 @@ def read_all(shards, size=16, batch_size=1, **kw):
 def test_shards_round_trip(tmp_path):
     want = {}
     for s in range(2):
-        samples = [{"__key__": f"{s}-{i}", "png": png((10 * i, 20 * s, 99)), "txt": f"caption {s} {i}"} for i in range(5)]
+        samples = [{"__key__": f"{s}-{i}", "png": png((10 * i, 20 * s, 99)), "txt": f"caption {s} {i}"}
+                   for i in range(5)]
         write_shard(str(tmp_path / f"s{s}.tar"), samples)
         want.update({x["txt"]: (10 * i, 20 * s, 99) for i, x in enumerate(samples)})
     got, skipped = read_all(sorted(str(p) for p in tmp_path.glob("*.tar")))
@@ -216,7 +217,8 @@ def test_shards_round_trip(tmp_path):
 
 def test_shards_split_across_ranks_and_shuffled_deterministically(tmp_path):
     for s in range(4):
-        write_shard(str(tmp_path / f"s{s}.tar"), [{"__key__": f"{s}-{i}", "png": png(), "txt": f"{s}-{i}"} for i in range(6)])
+        write_shard(str(tmp_path / f"s{s}.tar"),
+                    [{"__key__": f"{s}-{i}", "png": png(), "txt": f"{s}-{i}"} for i in range(6)])
     shards = sorted(str(p) for p in tmp_path.glob("*.tar"))
     caps = lambda **kw: [c for b in read_all(shards, buffer=10, **kw)[0] for c in b["caption"]]
     r0, r1 = caps(rank=0, world=2), caps(rank=1, world=2)
@@ -313,7 +315,7 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     log = [json.loads(l) for l in open(os.path.join(trained16, "log.jsonl"))]
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 80 and sum(losses[-10:]) < 0.7 * sum(losses[:10])
-    for f in ("ckpt.pt", "args.json", "loss.png", "samples/step_000040.png", "samples/step_000080.png", "samples/eval.png"):
+    for f in ("ckpt.pt", "args.json", "loss.png", "samples/step_000040.png", "samples/eval.png"):
         assert os.path.exists(os.path.join(trained16, f)), f
 
     def loss(model, x0, text, mask, t, eps, time=lambda t: t):  # the flow loss of `model`, fed time(t) for t
@@ -324,7 +326,8 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     b = next(iter(data.make_loader(builtin16, 128, 16, seed=5, epoch=0, workers=0)))
     text, mask = encoder(b["caption"])
     t, eps = flow.sample_t(128, "logit-normal", g), torch.randn(b["image"].shape, generator=g)
-    right, wrong_t = (loss(model, b["image"], text, mask, t, eps, time) for time in (lambda t: t, lambda t: (t + 0.5) % 1))
+    right, wrong_t = (loss(model, b["image"], text, mask, t, eps, time)
+                      for time in (lambda t: t, lambda t: (t + 0.5) % 1))
     assert right < 0.97 * wrong_t, (right, wrong_t)  # (1.07x here)
     # the caption: 40 steps on two pictures, one caption each, already tell them apart
     colours = {"a red square": (220, 30, 30), "a blue square": (30, 30, 220)}
@@ -382,7 +385,8 @@ def test_gradient_accumulation_trains_the_batch_it_adds_up_to_and_resumes_exactl
     train.main(flags + ["--out", str(tmp_path / "one")])  # 1 x batch 16
     train.main(flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "accum")])
     train.main(flags + ["--batch-size", "8", "--out", str(tmp_path / "half")])  # half the batch: must differ
-    one, acc, half = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True)["model"] for r in ("one", "accum", "half"))
+    one, acc, half = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True)["model"]
+                      for r in ("one", "accum", "half"))
     assert all(torch.allclose(one[k], acc[k], atol=2e-6, rtol=1e-4) for k in one)
     assert not all(torch.allclose(one[k], half[k], atol=1e-4) for k in one)
     crash_then_resume(monkeypatch, flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "b")], 3)
@@ -514,7 +518,7 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     ckpt["data"] = ckpt["data"] * 2  # as if written by 2 ranks
     torch.save(ckpt, os.path.join(out, "ckpt.pt"))
-    with pytest.raises(SystemExit, match="written by 2 ranks with --dist none: resume with --dist none on as many ranks"):
+    with pytest.raises(SystemExit, match="written by 2 ranks with --dist none: resume with --dist none on as many"):
         train.main(flags + ["--steps", "3", "--override", "steps", "--resume"])
 
 
@@ -551,7 +555,8 @@ def test_raw_samples_use_the_trained_weights_and_the_default_the_ema(trained16, 
     pngs = []
     for extra in ([], ["--raw"]):
         path = str(tmp_path / f"g{len(pngs)}.png")
-        sample.main(["--ckpt", ckpt_path, "--prompt", "a red circle", "--n", "2", "--steps", "2", "--out", path, *extra])
+        sample.main(["--ckpt", ckpt_path, "--prompt", "a red circle", "--n", "2", "--steps", "2", "--out", path,
+                     *extra])
         pngs.append(np.asarray(Image.open(path)))
     assert pngs[0].shape == pngs[1].shape and (pngs[0] != pngs[1]).any()
 
@@ -567,7 +572,8 @@ def test_precision_bf16_runs_the_model_under_bf16_autocast(tmp_path, builtin16, 
         return real(watched, *a)
     monkeypatch.setattr(flow, "flow_loss", spy)
     for precision in ("bf16", "fp32"):
-        train.main(TINY + ["--image-size", "16", "--steps", "1", "--precision", precision, "--out", str(tmp_path / precision)])
+        train.main(TINY + ["--image-size", "16", "--steps", "1", "--precision", precision,
+                           "--out", str(tmp_path / precision)])
     assert dtypes == [torch.bfloat16, torch.float32]
 
 
@@ -581,8 +587,8 @@ def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trai
     recs = [json.loads(l) for l in open(run / "log.jsonl") if '"loss"' in l]
     assert series["loss"] == ([r["step"] for r in recs], [r["loss"] for r in recs])
     assert series["lr"][1] == [r["lr"] for r in recs]
-    assert [series[f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})"][1] for q in range(4)] == [[r["loss_t_bins"][q] for r in recs]
-                                                                          for q in range(4)]
+    for q in range(4):
+        assert series[f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})"][1] == [r["loss_t_bins"][q] for r in recs]
     assert series["all"][0] == [40, 80]  # the grids' scores at steps 40 and 80 (the final evaluation)
     with pytest.raises(SystemExit, match="no log.jsonl"):
         sample.plot_run(str(tmp_path / "nothing"))
@@ -613,7 +619,10 @@ def test_sorted_and_grouped_dispatches_equal_loop_in_outputs_and_gradients(case)
         (y.sin().sum() + m.aux_loss).backward()
         results[impl] = [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
     expect = [0.0, 0.5, 0.5, 0.0] if case != "one idle expert" else None
-    assert m.stats["load"][3] == 0 and (m.stats["load"][:3] > 0).all() if expect is None else m.stats["load"].tolist() == expect
+    if expect is None:
+        assert m.stats["load"][3] == 0 and (m.stats["load"][:3] > 0).all()
+    else:
+        assert m.stats["load"].tolist() == expect
     for impl in ("sorted", "grouped"):
         for a, b in zip(results["loop"], results[impl]):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), impl
@@ -792,7 +801,8 @@ def test_compiled_moe_compiles_once_and_never_recompiles(impl, precision, tmp_pa
     assert graphs[2] == graphs[-1] and graphs[-1] <= (1 if impl == "grouped" else 10), graphs
     if precision == "fp32":  # and the compiled step computes what the eager one does
         train.main(flags + ["--out", str(tmp_path / "eager")])
-        losses = [[json.loads(l)["loss"] for l in open(tmp_path / r / "log.jsonl") if '"loss"' in l] for r in ("run", "eager")]
+        losses = [[json.loads(l)["loss"] for l in open(tmp_path / r / "log.jsonl") if '"loss"' in l]
+                  for r in ("run", "eager")]
         assert len(losses[0]) == 2 and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(*losses)), losses
 
 
@@ -892,7 +902,8 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
                                       "--batch-size", "8", "--workers", "0", "--iters", "3", "--warmup-iters", "1",
                                       "--out", str(tmp_path)]))
     assert 300 <= res["data_wait_ms"] < 450 and 600 <= res["encoders_ms"] < 750, res
-    assert all(res[f"{p}_ms"] < 150 for p in ("forward", "backward", "optimizer")), {k: v for k, v in res.items() if "_ms" in k}
+    assert all(res[f"{p}_ms"] < 150 for p in ("forward", "backward", "optimizer")), \
+        {k: v for k, v in res.items() if "_ms" in k}
     assert res["share"]["encoders"] > res["share"]["data_wait"] > res["share"]["forward"]
 
 
@@ -980,7 +991,8 @@ def test_profile_compares_world_sizes_with_communication_share(tmp_path):
 def torchrun(tmp_path, nproc, flags):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                        free_port(), "train.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        free_port(), "train.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -998,7 +1010,8 @@ def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(tmp_path):
     for b in bytes2:
         assert 0.50 <= b / bytes1[0] <= 0.55, (bytes1, bytes2)
     assert json.loads(ddp.split("optimizer state bytes per rank: ")[1].splitlines()[0])[0] > 1.8 * bytes2[0]
-    losses = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("ds2", "ddp")]
+    losses = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l]
+              for d in ("ds2", "ddp")]
     assert len(losses[0]) == 5 and all(abs(a - b) < 1e-3 * max(1, abs(b)) for a, b in zip(*losses)), losses
     ckpt = torch.load(tmp_path / "ds2" / "ckpt.pt", weights_only=True)  # consolidated: sample.py can load it
     DiT(**ckpt["config"]).load_state_dict(ckpt["ema"])
@@ -1037,7 +1050,8 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(tmp_path):
     losses = [[json.loads(l)["loss"] for l in open(os.path.join(d, "log.jsonl")) if '"loss"' in l] for d in (a, b)]
     assert len(losses[1]) == 4 and losses[0] == losses[1], losses
     # only the partitions that ckpt.pt and ckpt.prev.pt name are kept
-    assert sorted(d for d in os.listdir(os.path.join(b, "deepspeed")) if d.startswith("step")) == ["step000002", "step000004"]
+    tags = sorted(d for d in os.listdir(os.path.join(b, "deepspeed")) if d.startswith("step"))
+    assert tags == ["step000002", "step000004"]
     assert torch.load(os.path.join(b, "ckpt.prev.pt"), weights_only=True)["deepspeed_tag"] == "step000002"
     # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
     assert flags[-2:] == ["--dist", "deepspeed"]
@@ -1090,7 +1104,8 @@ def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_run
     train.main(flags + ["--out", str(tmp_path / "one")])  # meanwhile: the same runs, uninterrupted
     torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "two")])
     deadline = time.time() + 600
-    while subprocess.run(["squeue", "-h", "-j", ",".join(jobs.values())], capture_output=True, text=True).stdout.strip():
+    squeue = ["squeue", "-h", "-j", ",".join(jobs.values())]
+    while subprocess.run(squeue, capture_output=True, text=True).stdout.strip():
         assert time.time() < deadline, "requeued jobs did not finish"
         time.sleep(2)
     for how, ref in (("usr1", "two"), ("requeue", "one")):
@@ -1102,8 +1117,9 @@ def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_run
         assert ckpt["step"] == 400 and ckpt["data"] == a["data"]
         for name in a["model"]:
             assert torch.equal(a["model"][name], ckpt["model"][name]), (how, name)
-        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl") if '"resume"' in l]
-        assert len(resumed) == 1 and 5 <= resumed[0] < 400, how  # from the checkpoint the signal made (--ckpt-every 1000)
+        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl")
+                   if '"resume"' in l]
+        assert len(resumed) == 1 and 5 <= resumed[0] < 400, how  # from the signal's checkpoint (--ckpt-every 1000)
         if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
             chain = ["run.slurm: USR1, passing it to the training step", "rank 0: caught SIGUSR1",
                      "rank 1: caught SIGUSR1", f"caught SIGUSR1: checkpoint written at step {resumed[0]}",
@@ -1179,7 +1195,8 @@ def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
         (src / f"{n}.txt").write_text(f"caption of {n}")
     m = data.write_shards(str(src), str(tmp_path / "out"), size=32, per_shard=1)
     assert m["samples"] == 2 and [s["samples"] for s in m["shards"]] == [1, 1]
-    assert sorted(os.path.basename(s["path"]) for s in m["skipped"]) == ["c_small.png", "d_corrupt.jpg", "e_nocaption.png"]
+    skipped = sorted(os.path.basename(s["path"]) for s in m["skipped"])
+    assert skipped == ["c_small.png", "d_corrupt.jpg", "e_nocaption.png"]
     got = [s for u in sorted((tmp_path / "out").glob("*.tar")) for s in wds.tarfile_samples([{"url": str(u)}])]
     for s, cap in zip(got, ("caption of a_wide", "caption of b_tall")):
         img = Image.open(io.BytesIO(s["jpg"]))
@@ -1222,7 +1239,8 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
     assert len(loss["p"]) == 4 and torch.allclose(torch.tensor(loss["p"]), torch.tensor(loss["o"]), rtol=2e-3), loss
     ckpt = str(tmp_path / "p" / "ckpt.pt")
     assert torch.load(ckpt, weights_only=True)["config"]["in_channels"] == 4
-    sample.main(["--ckpt", ckpt, "--prompt", "a red circle", "--n", "2", "--steps", "2", "--out", str(tmp_path / "g.png")])
+    sample.main(["--ckpt", ckpt, "--prompt", "a red circle", "--n", "2", "--steps", "2",
+                 "--out", str(tmp_path / "g.png")])
     assert Image.open(tmp_path / "g.png").size == (2 * 16 * 2, 16 * 2)  # decoded to pixels by the VAE
     with pytest.raises(SystemExit, match="precomputed with --vae"):
         train.main(TINY + ["--image-size", "16", "--data", pre, "--out", str(tmp_path / "x")])
@@ -1373,7 +1391,8 @@ def test_converter_round_trip_on_real_photos(tmp_path):
         (src / f"{name}.txt").write_text(f"a photo of a {name}")
     m = data.write_shards(str(src), str(tmp_path / "a"), size=256, per_shard=1)
     again = data.write_shards(str(src), str(tmp_path / "b"), size=256, per_shard=1)
-    assert m["samples"] == 2 and not m["skipped"] and [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in again["shards"]]
+    assert m["samples"] == 2 and not m["skipped"]
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in again["shards"]]
     assert sha256sum_check(tmp_path / "a")[0] == 0
     for s, arr in zip(sorted(m["shards"], key=lambda s: s["name"]), photos.images):
         got = next(iter(wds.tarfile_samples([{"url": str(tmp_path / "a" / s["name"])}])))
@@ -1382,7 +1401,7 @@ def test_converter_round_trip_on_real_photos(tmp_path):
         # the rule, written out: 640 x 427 -> short side 256 = 384 x 256 (bicubic), centre crop x 64..320
         want = Image.fromarray(arr).resize((384, 256), Image.BICUBIC).crop((64, 0, 320, 256))
         err = np.abs(np.asarray(img, dtype=np.float32) - np.asarray(want, dtype=np.float32)).mean()
-        assert err < 4, err  # JPEG q95 only (measured 2.7 and 2.2); a crop one pixel off or another filter is far above this
+        assert err < 4, err  # JPEG q95 only (2.7 and 2.2); a crop one pixel off or another filter is far above this
         shifted = Image.fromarray(arr).resize((384, 256), Image.BICUBIC).crop((60, 0, 316, 256))
         assert np.abs(np.asarray(img, dtype=np.float32) - np.asarray(shifted, dtype=np.float32)).mean() > 2 * err
 
@@ -1536,7 +1555,8 @@ def poison(monkeypatch, which):
 def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
     """Start `python [launcher] script.py args` where script.py patches train, then runs train.main()."""
     script = tmp_path / "script.py"
-    script.write_text(f"import sys, time; sys.path.insert(0, {ROOT!r}); import train, data, torch\n{body}\ntrain.main()\n")
+    script.write_text(f"import sys, time; sys.path.insert(0, {ROOT!r}); import train, data, torch\n{body}\n"
+                      "train.main()\n")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"), **(env or {}))
     return subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
@@ -1680,7 +1700,8 @@ def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         free_port(), "train.py", "--dist", "ddp", *flags, "--out", str(tmp_path / "two")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "gave rank 0 no batch" in r.stderr and "gave rank 1 no batch" in r.stderr, r.stderr[-3000:]
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert "gave rank 0 no batch" in r.stderr and "gave rank 1 no batch" in r.stderr, r.stderr[-3000:]
     assert time.time() - t0 < 60
 
 
@@ -1689,13 +1710,15 @@ def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path):
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--warmup", "2"]
     out = str(tmp_path / "run")
     train.main(flags + ["--steps", "4", "--lr", "1e-3", "--out", out])
-    for change, msg in ((["--steps", "4", "--lr", "1e-5"], r"(?s)--lr: 0.001 in the checkpoint, 1e-05 now.*--override lr"),
+    for change, msg in ((["--steps", "4", "--lr", "1e-5"],
+                         r"(?s)--lr: 0.001 in the checkpoint, 1e-05 now.*--override lr"),
                         (["--steps", "4", "--lr", "1e-3", "--batch-size", "8"], r"--batch-size: 16 .* 8 now")):
         with pytest.raises(SystemExit, match=msg):
             train.main(flags + change + ["--out", out, "--resume"])
     train.main(flags + ["--steps", "8", "--lr", "1e-3", "--override", "steps", "--out", out, "--resume"])
     log = [strict_json(l) for l in open(os.path.join(out, "log.jsonl"))]
-    assert [r["resume"] for r in log if "resume" in r] == [{"step": 4, "checkpoint": "ckpt.pt", "changed": {"steps": [4, 8]}}]
+    resumes = [r["resume"] for r in log if "resume" in r]
+    assert resumes == [{"step": 4, "checkpoint": "ckpt.pt", "changed": {"steps": [4, 8]}}]
     lr5 = next(r["lr"] for r in log if r.get("step") == 5 and "lr" in r)
     assert abs(lr5 - 1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6))) < 1e-12  # the new cosine, from step 4 on
     assert json.load(open(os.path.join(out, "args.json")))["steps"] == 4  # the original flags
@@ -1738,7 +1761,8 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
                  "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True); time.sleep(600)\n"
                  "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 3"),
         "step": ("real = train.train_step\ndef step(S, *a):\n    if S.step == 3: print('stuck', flush=True); "
-                 "time.sleep(600)\n    return real(S, *a)\ntrain.train_step = step", 128 + signal.SIGTERM, "exiting at once"),
+                 "time.sleep(600)\n    return real(S, *a)\ntrain.train_step = step", 128 + signal.SIGTERM,
+                 "exiting at once"),
     }
     for case, (body, code, says) in cases.items():
         out = tmp_path / case
@@ -1793,7 +1817,8 @@ def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
     train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", dense])
     hidden = str(moe.dense_hidden(32))
     flags = TINY + ["--image-size", "16", "--steps", "1", "--lr", "1e-12", "--warmup", "1", "--batch-size", "8",
-                    "--workers", "1", "--moe", "4", "--expert-hidden", hidden, "--upcycle", os.path.join(dense, "ckpt.pt"),
+                    "--workers", "1", "--moe", "4", "--expert-hidden", hidden,
+                    "--upcycle", os.path.join(dense, "ckpt.pt"),
                     "--dist", "deepspeed", "--out", str(tmp_path / "up")]
     assert "upcycled from" in torchrun(tmp_path, 2, flags)
     parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)
