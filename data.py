@@ -570,7 +570,7 @@ def precomputed_meta(folder):
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="The offline tools: shard converter, emoji set, precompute.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="command", required=True, help="shards | emoji | precompute (each has --help)")
     s = sub.add_parser("shards", help="image folder / CSV / JSONL -> WebDataset shards + manifest.json + SHA256SUMS")
     s.add_argument("src", help="image folder with sidecar .txt captions, or a .csv/.jsonl with path,caption")
     s.add_argument("out", help="output folder for shard-XXXXX.tar, manifest.json and SHA256SUMS")
@@ -590,9 +590,9 @@ if __name__ == "__main__":
     c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
     a = p.parse_args()
-    if a.cmd == "shards":
+    if a.command == "shards":
         write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
-    elif a.cmd == "emoji":
+    elif a.command == "emoji":
         make_emoji(a.out, a.categories.split(","), a.size, a.font)
     else:
         precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
