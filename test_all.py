@@ -1497,7 +1497,8 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     real = names["real"]
     want = torch.arange(len(real)).repeat(4)
     near_misses = sample.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
-    good = sample.score_names(near_misses, want, names)
+    good = sample.score_names(near_misses, want, names)  # trains NameNet on first use and caches it beside the set
+    assert os.path.exists(os.path.join(out, "namenet16.pt"))
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
     wrong = sample.score_names(near_misses, want.roll(1), names)  # each picture under another's name
     assert wrong["top1"] <= 0.2
