@@ -21,6 +21,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import warnings
 from dataclasses import dataclass, field
 
@@ -233,9 +234,8 @@ def collate(items):
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One epoch of one rank's batches: collate()'s dicts, each with where its loader worker stands: `worker`,
-    `batches` so far, `raw` (tar samples read, bad ones included) and `skipped`. `resume` = {worker: those three}
-    continues an epoch: see pass_over."""
+    """One epoch of one rank's batches: collate()'s dicts, each with where its loader worker stands (`worker`, `batches`
+    so far, `raw` tar samples read, bad ones included, `skipped`); `resume` = {worker: those three}: see pass_over."""
 
     def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None):
         super().__init__()
@@ -286,8 +286,14 @@ def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, wo
     """DataLoader over one epoch; batching happens in the stream, so batch_size=None here."""
     ds = ShardStream(shards, batch_size, image_size, seed, epoch, rank, world, resume=resume)
     # an explicit generator keeps DataLoader from drawing its base seed from the global RNG
-    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=leave_stops_to_rank,
                                        generator=torch.Generator().manual_seed(seed))
+
+
+def leave_stops_to_rank(worker_id):
+    """Workers ignore TERM and USR1 (sent to every process by torchrun, Slurm): one killed would crash its rank."""
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
 
 
 @dataclass
@@ -528,7 +534,8 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     order. Resumable: a finished shard exists under its final name (written to .tmp, then renamed) and is skipped."""
     from tqdm import tqdm
     device = device or model.device()
-    meta, old = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src), precomputed_meta(out)
+    meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
+    old = read_json(os.path.join(out, "precompute.json"))
     if old not in (None, meta):  # resuming must not mix encodings
         raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those flags, or write to a new "
                          f"folder")
@@ -560,11 +567,6 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
                                 "mask.npy": mask[j, :n].cpu().numpy(), "txt": b["caption"][j]})
         os.replace(dst + ".tmp", dst)
     print(f"{len(shards)} shards in {out}; bad samples skipped: {skipped}")
-
-
-def precomputed_meta(folder):
-    """The precompute.json of a shard folder (None for raw shards)."""
-    return read_json(os.path.join(folder, "precompute.json"))
 
 
 if __name__ == "__main__":

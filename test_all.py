@@ -396,24 +396,24 @@ def test_gradient_accumulation_trains_the_batch_it_adds_up_to_and_resumes_exactl
     assert (pos["epoch"], pos["batch_in_epoch"]) == (0, 10)  # 5 steps x 2 micro-batches read
 
 
-def test_sigusr1_writes_a_checkpoint_and_the_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+def test_usr1_or_term_to_python_train_py_checkpoints_and_the_resumed_run_ends_where_an_uninterrupted_one_does(
+        tmp_path):
     import signal
-    import time
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "300", "--ckpt-every", "1000"]
     train.main(flags + ["--out", str(tmp_path / "a")])
-    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out", str(tmp_path / "b")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    log, deadline = tmp_path / "b" / "log.jsonl", time.time() + 120
-    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)  # what Slurm sends before the time limit
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "caught SIGUSR1: checkpoint written at step" in out, out
-    stopped = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"]
-    assert 5 <= stopped < 300  # stopped early, with a checkpoint (--ckpt-every alone would write none)
-    train.main(flags + ["--out", str(tmp_path / "b"), "--auto-resume"])
-    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
+    procs = {s: subprocess.Popen([sys.executable, "train.py", *flags, "--out", str(tmp_path / s)], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for s in ("SIGUSR1", "SIGTERM")}  # Slurm's warning before the time limit; scancel, kill
+    for s, proc in procs.items():
+        wait_for_log_lines(tmp_path / s / "log.jsonl", 5)
+        proc.send_signal(getattr(signal, s))
+    for s, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and f"caught {s}: checkpoint written at step" in out, out
+        assert 5 <= torch.load(tmp_path / s / "ckpt.pt", weights_only=True)["step"] < 300  # early, with a checkpoint
+    train.main(flags + ["--out", str(tmp_path / "SIGUSR1"), "--auto-resume"])
+    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "SIGUSR1"))
     assert b["step"] == 300 and a["data"] == b["data"]
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
@@ -1787,30 +1787,55 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
             assert not (out / "ckpt.pt").exists()
 
 
-def test_usr1_to_torchrun_checkpoints_every_rank_and_the_resumed_run_is_exact(tmp_path, builtin16):
+def launch_and_signal(out, flags, signum, to_all=False):
+    """Plain torchrun (no --signals-to-handle, as users type it) with 2 ranks; after 5 log lines `signum` goes to
+    torchrun alone, or to torchrun and every rank at once (what `scancel --signal` and Slurm's time limit do).
+    -> (torchrun's stdout, the checkpoint's step); asserts that no process of the run is left."""
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          free_port(), "train.py", *flags, "--out", str(out)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wait_for_log_lines(out / "log.jsonl", 5)
+    pids = lambda *a: [int(pid) for pid in subprocess.run(["pgrep", *a], capture_output=True, text=True).stdout.split()]
+    assert len(pids("-P", str(p.pid))) == 2  # the ranks; their loader workers have the same command line
+    for pid in pids("-f", str(out)) if to_all else [p.pid]:  # (loader workers leave it to their rank)
+        os.kill(pid, signum)
+    said = p.communicate(timeout=120)[0]
+    deadline = time.time() + 30  # (torchrun may exit before its ranks: they are waited for, but not forever)
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 0:
+        time.sleep(0.2)
+    assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 1, said[-3000:]  # no orphan
+    return said, torch.load(out / "ckpt.pt", weights_only=True)["step"]
+
+
+def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_exact(tmp_path, builtin16):
     import signal
     flags = TINY + ["--image-size", "16", "--steps", "100", "--ckpt-every", "1000", "--batch-size", "8",
                     "--workers", "1", "--dist", "ddp"]
     torchrun(tmp_path, 2, flags + ["--out", str(tmp_path / "a")])  # uninterrupted
     b = tmp_path / "b"
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          free_port(), "--signals-to-handle", train.HANDLED_BY_TORCHRUN,  # as run.slurm passes it
-                          "train.py", *flags, "--out", str(b)], cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_log_lines(b / "log.jsonl", 5)
-    p.send_signal(signal.SIGUSR1)  # to torchrun, as Slurm's `--signal` reaches it through srun
-    out, err = p.communicate(timeout=120)
-    stopped = torch.load(b / "ckpt.pt", weights_only=True)["step"]
-    assert 5 <= stopped < 100, err[-3000:]
+    said, stopped = launch_and_signal(b, flags, signal.SIGUSR1)  # torchrun dies of it: its ranks see it die
+    assert 5 <= stopped < 100, said[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank}: caught SIGUSR1, stopping after step {stopped}" in out, out[-3000:]
-    assert f"checkpoint written at step {stopped}" in out
-    assert subprocess.run(["pgrep", "-f", str(b)], capture_output=True).returncode == 1  # no orphaned rank
+        assert f"rank {rank}: caught the death of its launcher" in said and f"stopping after step {stopped}" in said
+    assert f"checkpoint written at step {stopped}" in said
     assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", str(b), "--auto-resume"])
     ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "a", b))
     assert cb["step"] == 100 and ca["data"] == cb["data"]
     for name in ca["model"]:
         assert torch.equal(ca["model"][name], cb["model"][name]), name
+
+
+@pytest.mark.parametrize("signame, to_all", [("SIGTERM", False), ("SIGTERM", True), ("SIGUSR1", True)])
+def test_a_signal_to_torchrun_or_to_every_process_ends_in_one_checkpoint_and_no_orphan(tmp_path, builtin16,
+                                                                                      signame, to_all):
+    import signal
+    flags = TINY + ["--image-size", "16", "--steps", "100000", "--ckpt-every", "100000", "--batch-size", "8",
+                    "--workers", "1", "--dist", "ddp"]
+    said, stopped = launch_and_signal(tmp_path / "run", flags, getattr(signal, signame), to_all)
+    assert stopped >= 5 and f"checkpoint written at step {stopped}" in said, said[-3000:]
+    assert "exiting at once" not in said  # one event, seen by each rank once or twice, is not a second signal
 
 
 def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):

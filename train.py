@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -32,7 +33,6 @@ CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision", "bias_rate",
                            "text_encoder", "vae", "image_size")  # --resume refuses a change to these (see --override)
-HANDLED_BY_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun --signals-to-handle: its default lacks USR1
 
 
 # ---- Flags ----------------------------------------------------------------------------------------------------------
@@ -147,17 +147,13 @@ class Run:
 
 
 def setup(args, shape=None):
-    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule -> the Run; `shape` = (channels, side,
-    text dim) of the model's inputs where profile.py times synthetic ones."""
+    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule -> the Run (profile.py: `shape`)."""
     dev, rank, local_rank, world = device(), 0, 0, 1
     if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
         rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         if dev == "cuda":
             torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
         dist.init_process_group("nccl" if dev == "cuda" else "gloo")
-        if rank == 0 and "SIGUSR1" not in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ""):
-            print(f"warning: torchrun dies on SIGUSR1 (Slurm's time-limit warning) and orphans the ranks unless "
-                  f"started with --signals-to-handle {HANDLED_BY_TORCHRUN} (run.slurm passes it)")
     args.precision = args.precision or ("bf16" if dev == "cuda" else "fp32")
     args.moe_impl = args.moe_impl or default_impl(dev)  # the GPU's grouped GEMM, the CPU's per-expert slices
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # (GPUs: TF32 matmuls)
@@ -215,7 +211,7 @@ def start(args):
     """Run folder, data check, set-up, resume or args.json, log.jsonl, the banner -> the Run."""
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
-    pre = data.precomputed_meta(os.path.dirname(shards[0]))  # written by `python data.py precompute`?
+    pre = data.read_json(os.path.join(os.path.dirname(shards[0]), "precompute.json"))  # `data.py precompute`d?
     if pre and (pre["vae"], pre["text_encoder"], pre["image_size"]) != (args.vae, args.text_encoder, args.image_size):
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
@@ -247,10 +243,9 @@ def start(args):
 # ---- One training step ----------------------------------------------------------------------------------------------
 def train_step(run, args, micro, mark=None):
     """One optimizer step over this rank's micro-batches [(x0, text, mask)]: flow loss (+ MoE balance loss) -> backward
-    per micro-batch -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (a GPU runs ahead). A non-finite loss
-    or gradient norm changes no weight, moment or EMA (fused AdamW's `found_inf`, as under GradScaler; ZeRO skips its
-    update) but takes its step number; run.bad counts them. `mark(phase)` lets profile.py time the phases."""
-    mark = mark or (lambda phase: None)
+    -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync. A non-finite loss or gradient norm changes no weight,
+    moment or EMA (fused AdamW's `found_inf`; ZeRO skips its update) but takes its step number; run.bad counts them."""
+    mark = mark or (lambda phase: None)  # (profile.py times the phases)
     n, N, W, r, dev = micro[0][0].shape[0], len(micro), run.world, run.rank, run.dev
     keep = torch.rand(n * N * W, generator=run.gen, device=dev) >= args.cfg_drop  # (global batch,)
     t_all = flow.sample_t(n * N * W, args.t_dist, run.gen, dev, args.t_shift)
@@ -309,8 +304,7 @@ def train_step(run, args, micro, mark=None):
 
 
 def encode_batch(run, b):
-    """A loader batch -> (x0, text tokens, mask) on the device, through the frozen VAE and text encoder (unless
-    `python data.py precompute` already ran them)."""
+    """A loader batch -> (x0, text, mask) on the device, through the frozen VAE and text encoder (or precomputed)."""
     if "latent" in b:
         return b["latent"].to(run.dev).float(), b["text"].to(run.dev).float(), b["mask"].to(run.dev)
     x0 = b["image"].to(run.dev, non_blocking=True)
@@ -361,16 +355,16 @@ def train_loop(args, run, signals):
 def main(argv=None):
     """flags -> start-up -> the loop -> a checkpoint and exit on a stop signal, else the final evaluation."""
     args = get_args(argv)
-    signals = StopSignals()  # from here on a stop signal ends the process cleanly (see StopSignals)
+    signals = StopSignals(watch_launcher=args.dist != "none")  # from here on a stop signal ends the run cleanly
     try:
         run = start(args)                                  # run folder, set-up, resume, the banner
         if train_loop(args, run, signals):                 # steps, log lines, sample grids, checkpoints
-            name = signal.Signals(signals.caught[0]).name if signals.caught else "a signal sent to another rank"
+            name = signals.caught[0] if signals.caught else "a signal sent to another rank"
             print(f"rank {run.rank}: caught {name}, stopping after step {run.step}", flush=True)
-            signals.defer = True  # (the same signal arriving twice is not a second one)
+            signals.defer, t0 = True, time.time()  # (the same signal arriving twice is not a second one)
             code = 0 if save_checkpoint(run, args) else 1  # every rank writes one checkpoint
-            if run.rank == 0 and not code:
-                print(f"caught {name}: checkpoint written at step {run.step}; continue with --resume/--auto-resume")
+            if run.rank == 0 and not code:  # (how long it took: the warning a run of this size needs)
+                print(f"caught {name}: checkpoint written at step {run.step} in {time.time() - t0:.1f} s (--resume)")
         else:
             code = final_evaluation(args, run, signals)    # rank 0: every held-out prompt or name, scored
         return end(run, code)
@@ -388,8 +382,7 @@ def main(argv=None):
 
 # ==== What a first read may skip: logging, checkpoints, evaluation, stop signals, exits ==============================
 def log_step(run, args, out, signals, img_per_s, bar):
-    """One all-reduce: the global loss, and whether any rank was signalled (-> True: stop); the log line; too many
-    non-finite steps in a row stop every rank."""
+    """All ranks: the global loss and whether any was signalled (-> True: stop), the log line, a stop on bad steps."""
     flags = torch.stack([out["loss"].float(), torch.full((), float(bool(signals.caught)), device=run.dev)])
     if run.world > 1:
         dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
@@ -413,9 +406,8 @@ def log_step(run, args, out, signals, img_per_s, bar):
 
 
 def save_checkpoint(run, args):
-    """Every rank calls this (the data positions are gathered); rank 0 writes <out>/ckpt.pt, atomically and fsynced,
-    the one before kept as ckpt.prev.pt. -> False where an OSError (disk full, I/O) stopped it: a warning, nothing
-    half-written, the next save retries."""
+    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically, the one before kept as ckpt.prev.pt. -> False where
+    an OSError (disk full) stopped it: a warning, nothing half-written, the next save retries."""
     tag = f"step{run.step:06d}" if run.engine is not None else None  # DeepSpeed: each rank's optimizer partition
     if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
         run.engine.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
@@ -515,8 +507,7 @@ def final_evaluation(args, run, signals):
     if run.rank != 0:
         return 0
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
-        print(f"error: the checkpoint of the final step {run.step} could not be written; the last one on disk is "
-              f"step {run.ckpt_step}", file=sys.stderr)
+        print(f"error: the final checkpoint was not written; the last on disk: step {run.ckpt_step}", file=sys.stderr)
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
@@ -541,12 +532,21 @@ class Interrupted(BaseException):
 class StopSignals:
     """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, requeue, torchrun). While `defer` is set the
     first is only noted: after this step (one process) or at the next log step (where the ranks agree) every rank
-    checkpoints and exits 0. Anywhere else, or at a second signal, Interrupted is raised at once. A repeat within
-    `same_event` s is one event arriving twice (Slurm signals every process of a step; torchrun forwards it too)."""
+    checkpoints and exits 0. Anywhere else, or at a second signal, Interrupted is raised at once; a repeat within
+    `same_event` s is the same event (Slurm signals every process; torchrun forwards). Under a launcher a thread
+    watches it too: a rank whose launcher died (torchrun dies of an unhandled USR1) stops, no orphan trains on."""
 
-    def __init__(self, same_event=2.0):
+    def __init__(self, watch_launcher=False, same_event=2.0):
         self.caught, self.defer, self.pid, self.first, self.same_event = [], False, os.getpid(), None, same_event
         self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        if watch_launcher:
+            threading.Thread(target=self.watch, args=(os.getppid(),), daemon=True).start()
+
+    def watch(self, launcher):
+        """A stop once the parent process is gone; never an abort: a checkpoint may be under way when it goes."""
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        self.caught.append(f"the death of its launcher (pid {launcher})")
 
     def handle(self, signum, frame):
         if os.getpid() != self.pid:  # a forked data-loader worker: the main process decides
@@ -554,14 +554,14 @@ class StopSignals:
         now = time.monotonic()
         again = self.first is not None and now - self.first > self.same_event
         self.first = self.first or now
-        self.caught.append(signum)
+        self.caught.append(signal.Signals(signum).name)
         if not self.defer or again:
             raise Interrupted(signum)
 
 
 def end(run, code, error=None):
-    """Close the log; under torchrun check that the replicas agree (unless an `error` stops every rank at the same
-    point) and leave the process group. -> the Run (the tests read it), or SystemExit(error or code)."""
+    """Close the log; under torchrun check that the replicas agree (unless every rank stops on an `error`) and leave
+    the process group. -> the Run (the tests read it), or SystemExit(error or code)."""
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:
