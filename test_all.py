@@ -1801,7 +1801,12 @@ def launch_and_signal(out, flags, signum, to_all=False):
     assert len(pids("-P", str(p.pid))) == 2  # the ranks; their loader workers have the same command line
     for pid in pids("-f", str(out)) if to_all else [p.pid]:  # (loader workers leave it to their rank)
         os.kill(pid, signum)
-    said = p.communicate(timeout=120)[0]
+    try:  # Slurm sends KILL to what is left after KillWait, 30 s by default
+        said = p.communicate(timeout=30 if to_all else 120)[0]
+    except subprocess.TimeoutExpired:
+        for pid in pids("-f", str(out)):
+            os.kill(pid, signal.SIGKILL)
+        said = p.communicate()[0]
     deadline = time.time() + 30  # (torchrun may exit before its ranks: they are waited for, but not forever)
     while time.time() < deadline and subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 0:
         time.sleep(0.2)
