@@ -98,7 +98,7 @@ def evaluate(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1
         prompts = data.heldout_prompts(n_each)
         captions = [p for p, _ in prompts]
     fake = data.as_uint8(draw(model, encoder, vae, captions, steps, cfg, seed, shift, batch))
-    images = [data.to_pil(x) for x in fake]
+    images = None if names else [data.to_pil(x) for x in fake]  # (the judge reads PIL images)
     try:
         if names:
             names_grid(fake, want, names["real"], grid)

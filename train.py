@@ -218,8 +218,8 @@ def start(args):
     run = setup(args)
     run.shards, run.t_start = shards, time.time()
     run.judged = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
-    run.names = None if pre else data.names_set(args.data, args.image_size)  # named pictures: retrieval scores
     master = run.rank == 0  # only rank 0 prints, logs, samples and writes files
+    run.names = data.names_set(args.data, args.image_size) if master and not pre else None  # retrieval scores
     run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
