@@ -11,9 +11,13 @@ import json
 import math
 import os
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -30,6 +34,7 @@ import train
 from model import DiT, TextEncoder, count_params, load_vae
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slurm or emoji font fails, never skips
 TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "--workers", "0",
         "--sample-every", "0", "--eval-n", "0", "--sample-steps", "4", "--log-every", "1"]
 
@@ -55,6 +60,78 @@ def toy_inputs(B=3, L=5, D_text=24, size=16):
     mask[1, 2:] = False   # a short caption
     mask[2, :] = False    # the null caption
     return x, t, text, mask
+
+
+# Long jobs that mostly wait (Slurm's queue and requeue hold, fresh processes) start with the session when a selected
+# test needs them, and run beside the other tests on the second core; the tests that need them collect them.
+@pytest.fixture(scope="session", autouse=True)
+def background(request, tmp_path_factory):
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    jobs = {name: start(tmp_path_factory.mktemp(name)) for name, start in (
+        ("profile_suite", start_profile_suite), ("slurm_runs", start_slurm_runs)) if name in wanted}
+    yield jobs
+    for job in jobs.values():
+        job["stop"]()
+
+
+@pytest.fixture(scope="session")
+def profile_suite(background):
+    """`python profile.py suite` (1 timed step per setting), run from the session's start. -> (its stdout, out)"""
+    job = background["profile_suite"]
+    job["proc"].wait(timeout=900)
+    assert job["proc"].returncode == 0, job["log"].read_text()[-3000:]
+    return job["log"].read_text(), job["out"]
+
+
+def start_profile_suite(out):
+    log = out / "stdout"
+    proc = subprocess.Popen([sys.executable, "profile.py", "suite", "--iters", "1", "--warmup-iters", "1", "--out",
+                             str(out)], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # one core: the tests keep the other
+    return dict(proc=proc, log=log, out=out, stop=proc.kill)
+
+
+@pytest.fixture(scope="session")
+def slurm_runs(background):
+    """The Slurm jobs, started with the session: a 2-rank `sbatch --wait`, a failing one, and two pre-empted jobs
+    (each signalled once it has logged 5 steps). -> the job record, once the thread has sent its signals."""
+    job = background["slurm_runs"]
+    if job.get("skipped"):
+        pytest.skip("needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
+    job["thread"].join(timeout=600)
+    assert not job["errors"], job["errors"]
+    return job
+
+
+def start_slurm_runs(tmp_path):
+    if shutil.which("sbatch") is None:
+        assert not STRICT, "CI must run the Slurm tests: start a cluster with `bash slurm/local_cluster.sh`"
+        return dict(stop=lambda: None, skipped=True)
+    job = dict(tmp=tmp_path, errors=[], preempted={}, flags=SLURM_TINY + ["--steps", "100", "--log-every", "1",
+                                                                        "--ckpt-every", "1000"])
+    for how, nproc in (("usr1", 2), ("requeue", 1)):  # Slurm's two ways to pre-empt, side by side
+        (tmp_path / how).mkdir()
+        r = sbatch(tmp_path / how, job["flags"] + ["--out", str(tmp_path / how / "run")], nproc=nproc, wait=False,
+                   cpus=1)
+        job["preempted"][how] = r.stdout.strip().split(";")[0]
+        assert job["preempted"][how], r.stderr
+
+    def signal_then_sbatch():
+        try:
+            for how, id in job["preempted"].items():
+                wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
+                subprocess.run(["scancel", "--batch", "--signal=USR1", id] if how == "usr1" else
+                               ["scontrol", "requeue", id], check=True)
+            (tmp_path / "two").mkdir()
+            job["two"] = sbatch(tmp_path / "two", SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "two" / "run")],
+                                nproc=2)
+            job["failing"] = sbatch(tmp_path / "two", ["--attn", "flash"])
+        except BaseException as e:  # (re-raised by the tests)
+            job["errors"].append(repr(e))
+    job["thread"] = threading.Thread(target=signal_then_sbatch, daemon=True)
+    job["thread"].start()
+    job["stop"] = lambda: subprocess.run(["scancel", *job["preempted"].values()], capture_output=True)
+    return job
 
 
 # -----------------------------------------------------------------------------------------------
@@ -398,9 +475,8 @@ def test_gradient_accumulation_trains_the_batch_it_adds_up_to_and_resumes_exactl
 
 def test_usr1_or_term_to_python_train_py_checkpoints_and_the_resumed_run_ends_where_an_uninterrupted_one_does(
         tmp_path):
-    import signal
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
-    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "300", "--ckpt-every", "1000"]
+    flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "60", "--ckpt-every", "1000"]
     train.main(flags + ["--out", str(tmp_path / "a")])
     procs = {s: subprocess.Popen([sys.executable, "train.py", *flags, "--out", str(tmp_path / s)], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -411,10 +487,10 @@ def test_usr1_or_term_to_python_train_py_checkpoints_and_the_resumed_run_ends_wh
     for s, proc in procs.items():
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and f"caught {s}: checkpoint written at step" in out, out
-        assert 5 <= torch.load(tmp_path / s / "ckpt.pt", weights_only=True)["step"] < 300  # early, with a checkpoint
+        assert 5 <= torch.load(tmp_path / s / "ckpt.pt", weights_only=True)["step"] < 60  # early, with a checkpoint
     train.main(flags + ["--out", str(tmp_path / "SIGUSR1"), "--auto-resume"])
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "SIGUSR1"))
-    assert b["step"] == 300 and a["data"] == b["data"]
+    assert b["step"] == 60 and a["data"] == b["data"]
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
 
@@ -858,10 +934,14 @@ def test_profile_py_does_not_shadow_the_standard_library_profile():
 def test_profile_modes_write_json_and_trace_and_compare_prints_a_row_per_setting(tmp_path):
     tiny = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
             "--out", str(tmp_path), "--iters", "2", "--warmup-iters", "1", "--loader-batches", "4"]
-    for mode in ("compute", "full", "dataloader"):
-        r = subprocess.run([sys.executable, "profile.py", mode, *tiny, "--moe", "4", "--trace"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
+    prof = load_profile_py()
+    for mode in ("compute", "full", "dataloader"):  # the command line once; the others in this process
+        if mode == "full":
+            r = subprocess.run([sys.executable, "profile.py", mode, *tiny, "--moe", "4", "--trace"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr
+        else:
+            prof.measure(prof.get_args([mode, *tiny, "--moe", "4", "--trace"]))
         res = json.load(open(tmp_path / "profile" / f"{mode}.json"))
         assert res["step_ms"] > 0 and res["img_per_s"] > 0 and res["active_params"] < res["params"]
         assert set(res["share"]) == {"data_wait", "encoders", "forward", "backward", "optimizer"}
@@ -884,7 +964,6 @@ def load_profile_py():
 
 
 def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkeypatch):
-    import time
     real_batches = data.batches
 
     def slow_batches(*a):  # a loader that takes 300 ms per batch (far above the tiny model's phases on a busy CPU)
@@ -907,22 +986,20 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
     assert res["share"]["encoders"] > res["share"]["data_wait"] > res["share"]["forward"]
 
 
-def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
-    r = subprocess.run([sys.executable, "profile.py", "suite", "--iters", "1", "--warmup-iters", "1", "--out",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"## profile.py suite: CPU ({torch.get_num_threads()} threads)" in r.stdout
-    assert f"torch {torch.__version__}, CUDA none, peak FLOP/s unknown: no MFU" in r.stdout
-    sections = r.stdout.split("### ")[1:]
-    assert len(sections) == 9 and "failed" not in r.stdout  # two attention sizes + 7 claims
+def test_profile_suite_prints_a_header_and_one_table_per_claim(profile_suite):
+    said, out = profile_suite
+    assert "## profile.py suite: CPU (1 threads)" in said
+    assert f"torch {torch.__version__}, CUDA none, peak FLOP/s unknown: no MFU" in said
+    sections = said.split("### ")[1:]
+    assert len(sections) == 9 and "failed" not in said  # two attention sizes + 7 claims
     for sec in sections:  # a command, then a table whose rows are the compared values, each with a time
         cmd = next(l for l in sec.splitlines() if l.startswith("`python profile.py"))
         values = cmd.split("--compare ")[1].split()[0].split("=")[1].split(",")
         rows = [l.split(" | ") for l in sec.splitlines() if l.startswith("| ") and not l.startswith("| --")]
         assert [row[0][2:] for row in rows] == values, sec
         assert all(float(row[4].split()[0]) > 0 for row in rows), sec
-    assert "moe-impl=loop,sorted,grouped" in r.stdout and "--synthetic 4,16,77,768" in r.stdout
-    assert open(tmp_path / "profile" / "suite.md").read().count("### ") == 9
+    assert "moe-impl=loop,sorted,grouped" in said and "--synthetic 4,16,77,768" in said
+    assert open(out / "profile" / "suite.md").read().count("### ") == 9
 
 
 # -----------------------------------------------------------------------------------------------
@@ -997,133 +1074,113 @@ def torchrun(tmp_path, nproc, flags):
     return r.stdout
 
 
-def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(tmp_path):
-    flags = TINY + ["--image-size", "16", "--steps", "5", "--lr", "2e-3", "--warmup", "2", "--batch-size", "8",
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory):
+    """One set of ZeRO-2 runs shared by the tests: 1 rank (batch 8); 2 ranks x batch 4 x 2 micro-batches ("a"), the
+    same under DDP, and the same again killed as step 3 begins (after the step-2 checkpoint), then resumed ("b")."""
+    tmp = tmp_path_factory.mktemp("zero2")
+    flags = TINY + ["--image-size", "16", "--steps", "4", "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
                     "--workers", "1"]
-    one = torchrun(tmp_path, 1, flags + ["--dist", "deepspeed", "--out", str(tmp_path / "ds1")])
-    accum = ["--batch-size", "4", "--grad-accum", "2"]  # ZeRO's gradient_accumulation_steps vs DDP's no_sync
-    two = torchrun(tmp_path, 2, flags + accum + ["--dist", "deepspeed", "--out", str(tmp_path / "ds2")])
-    ddp = torchrun(tmp_path, 2, flags + accum + ["--dist", "ddp", "--out", str(tmp_path / "ddp")])
-    assert '"gradient_accumulation_steps": 2' in two and "parameters identical on all 2 ranks: True" in two
-    bytes1 = json.loads(one.split("optimizer state bytes per rank: ")[1].splitlines()[0])
-    bytes2 = json.loads(two.split("optimizer state bytes per rank: ")[1].splitlines()[0])
-    for b in bytes2:
-        assert 0.50 <= b / bytes1[0] <= 0.55, (bytes1, bytes2)
-    assert json.loads(ddp.split("optimizer state bytes per rank: ")[1].splitlines()[0])[0] > 1.8 * bytes2[0]
-    losses = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l]
-              for d in ("ds2", "ddp")]
-    assert len(losses[0]) == 5 and all(abs(a - b) < 1e-3 * max(1, abs(b)) for a, b in zip(*losses)), losses
-    ckpt = torch.load(tmp_path / "ds2" / "ckpt.pt", weights_only=True)  # consolidated: sample.py can load it
+    two = flags + ["--batch-size", "4", "--grad-accum", "2"]  # ZeRO's gradient_accumulation_steps vs DDP's no_sync
+    said = dict(one=torchrun(tmp, 1, flags + ["--batch-size", "8", "--dist", "deepspeed", "--out", str(tmp / "one")]),
+                a=torchrun(tmp, 2, two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
+                ddp=torchrun(tmp, 2, two + ["--dist", "ddp", "--out", str(tmp / "ddp")]))
+    crash = tmp / "crash.py"
+    crash.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import train\nreal = train.train_step\n"
+                     "def step(S, *a):\n    if S.step == 2: raise SystemExit(3)\n    return real(S, *a)\n"
+                     "train.train_step = step; train.main()\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
+    b = two + ["--dist", "deepspeed", "--out", str(tmp / "b")]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), str(crash), *b], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    said["crash"] = (r.returncode, torch.load(tmp / "b" / "ckpt.pt", weights_only=True)["step"])
+    said["b"] = torchrun(tmp, 2, b + ["--resume"])
+    return tmp, said, two
+
+
+def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(zero2):
+    tmp, said, _ = zero2
+    assert '"gradient_accumulation_steps": 2' in said["a"] and "parameters identical on all 2 ranks: True" in said["a"]
+    per_rank = {k: json.loads(said[k].split("optimizer state bytes per rank: ")[1].splitlines()[0])
+                for k in ("one", "a", "ddp")}
+    for b in per_rank["a"]:
+        assert 0.50 <= b / per_rank["one"][0] <= 0.55, per_rank
+    assert per_rank["ddp"][0] > 1.8 * per_rank["a"][0]
+    losses = [[json.loads(l)["loss"] for l in open(tmp / d / "log.jsonl") if '"loss"' in l] for d in ("a", "ddp")]
+    assert len(losses[0]) == 4 and all(abs(a - b) < 1e-3 * max(1, abs(b)) for a, b in zip(*losses)), losses
+    ckpt = torch.load(tmp / "a" / "ckpt.pt", weights_only=True)  # consolidated: sample.py can load it
     DiT(**ckpt["config"]).load_state_dict(ckpt["ema"])
+
+
+def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
+    tmp, said, two = zero2
+    a, b = tmp / "a", tmp / "b"
+    assert said["crash"][0] != 0 and said["crash"][1] == 2 and "resumed from" in said["b"]
+    ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (a, b))
+    assert ca["step"] == cb["step"] == 4 and ca["data"] == cb["data"] and cb["deepspeed_tag"] == "step000004"
+    for k in ("model", "ema"):
+        for name in ca[k]:
+            assert torch.equal(ca[k][name], cb[k][name]), (k, name)
+    losses = [[json.loads(l)["loss"] for l in open(d / "log.jsonl") if '"loss"' in l] for d in (a, b)]
+    assert len(losses[1]) == 4 and losses[0] == losses[1], losses
+    # only the partitions that ckpt.pt and ckpt.prev.pt name are kept
+    tags = sorted(d for d in os.listdir(b / "deepspeed") if d.startswith("step"))
+    assert tags == ["step000002", "step000004"]
+    assert torch.load(b / "ckpt.prev.pt", weights_only=True)["deepspeed_tag"] == "step000002"
+    # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), "train.py", *two, "--dist", "ddp", "--out", str(b), "--resume"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "resume with --dist deepspeed" in r.stderr, r.stderr[-3000:]
+    # ckpt.pt holds the consolidated model + EMA: sample.py needs no DeepSpeed
+    sample.main(["--ckpt", str(b / "ckpt.pt"), "--prompt", "a red circle", "--n", "1", "--steps", "2",
+                 "--out", str(tmp / "g.png")])
+    assert Image.open(tmp / "g.png").size == (16 * 2, 16 * 2)
 
 
 # -----------------------------------------------------------------------------------------------
 # run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
 # -----------------------------------------------------------------------------------------------
-needs_slurm = pytest.mark.skipif(shutil.which("sbatch") is None,
-                                 reason="needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
 SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
               "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
 
 
-def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(tmp_path):
-    flags = TINY + ["--image-size", "16", "--steps", "4", "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
-                    "--batch-size", "8", "--workers", "1", "--dist", "deepspeed"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    torchrun(tmp_path, 2, flags + ["--out", a])  # uninterrupted
-    # the same run, but every rank dies as step 3 begins (after the step-2 checkpoint), then resumes
-    crash = tmp_path / "crash.py"
-    crash.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import train\nreal = train.train_step\n"
-                     "def step(S, *a):\n    if S.step == 2: raise SystemExit(3)\n    return real(S, *a)\n"
-                     "train.train_step = step; train.main()\n")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), str(crash), *flags, "--out", b], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode != 0 and torch.load(os.path.join(b, "ckpt.pt"), weights_only=True)["step"] == 2
-    assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", b, "--resume"])
-    ca, cb = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=True) for d in (a, b))
-    assert ca["step"] == cb["step"] == 4 and ca["data"] == cb["data"] and cb["deepspeed_tag"] == "step000004"
-    for k in ("model", "ema"):
-        for name in ca[k]:
-            assert torch.equal(ca[k][name], cb[k][name]), (k, name)
-    losses = [[json.loads(l)["loss"] for l in open(os.path.join(d, "log.jsonl")) if '"loss"' in l] for d in (a, b)]
-    assert len(losses[1]) == 4 and losses[0] == losses[1], losses
-    # only the partitions that ckpt.pt and ckpt.prev.pt name are kept
-    tags = sorted(d for d in os.listdir(os.path.join(b, "deepspeed")) if d.startswith("step"))
-    assert tags == ["step000002", "step000004"]
-    assert torch.load(os.path.join(b, "ckpt.prev.pt"), weights_only=True)["deepspeed_tag"] == "step000002"
-    # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
-    assert flags[-2:] == ["--dist", "deepspeed"]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), "train.py", *flags[:-2], "--dist", "ddp", "--out", b, "--resume"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "resume with --dist deepspeed" in r.stderr, r.stderr[-3000:]
-    # ckpt.pt holds the consolidated model + EMA: sample.py needs no DeepSpeed
-    r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(b, "ckpt.pt"), "--prompt", "a red circle",
-                        "--n", "1", "--steps", "2", "--out", str(tmp_path / "g.png")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and os.path.exists(tmp_path / "g.png"), r.stderr[-3000:]
-
-
-def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
-    env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    cmd = ["sbatch", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
-    return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-@needs_slurm
-def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
-    r = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
-    out = "".join(open(p, errors="replace").read() for p in tmp_path.glob("slurm-*.out"))
+def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(slurm_runs):
+    r, tmp = slurm_runs["two"], slurm_runs["tmp"] / "two"
+    out = "".join(open(p, errors="replace").read() for p in tmp.glob("slurm-*.out"))
     assert r.returncode == 0, out[-3000:]
     assert "2 ranks x 8 = global batch 16" in out and "parameters identical on all 2 ranks: True" in out
-    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 4
-    assert sbatch(tmp_path, ["--attn", "flash"]).returncode != 0  # sbatch --wait reports the failure
+    assert torch.load(tmp / "run" / "ckpt.pt", weights_only=True)["step"] == 4
+    assert slurm_runs["failing"].returncode != 0  # sbatch --wait reports the failure
 
 
-@needs_slurm
-def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
+def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(slurm_runs, tmp_path):
     """Both ways a cluster pre-empts: USR1 to the batch shell only (`--signal=B:USR1`, here `scancel --batch`),
     which must travel batch script -> srun -> torchrun -> every rank; and `scontrol requeue` (SIGTERM to
-    every process of the job). The two jobs run side by side, so Slurm's ~2 min requeue hold is paid once."""
-    import time
-    flags = SLURM_TINY + ["--steps", "400", "--log-every", "1", "--ckpt-every", "1000"]
-    jobs = {}
-    for how, nproc in (("usr1", 2), ("requeue", 1)):
-        (tmp_path / how).mkdir()
-        r = sbatch(tmp_path / how, flags + ["--out", str(tmp_path / how / "run")], nproc=nproc, wait=False, cpus=1)
-        jobs[how] = r.stdout.strip().split(";")[0]
-        assert jobs[how], r.stderr
-    for how, job in jobs.items():
-        wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
-        subprocess.run(["scancel", "--batch", "--signal=USR1", job] if how == "usr1" else ["scontrol", "requeue", job],
-                       check=True)
-    train.main(flags + ["--out", str(tmp_path / "one")])  # meanwhile: the same runs, uninterrupted
+    every process of the job). The jobs started with the session (see `background`)."""
+    flags, jobs, tmp = slurm_runs["flags"], slurm_runs["preempted"], slurm_runs["tmp"]
+    train.main(flags + ["--out", str(tmp_path / "one")])  # the same runs, uninterrupted
     torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "two")])
     deadline = time.time() + 600
     squeue = ["squeue", "-h", "-j", ",".join(jobs.values())]
     while subprocess.run(squeue, capture_output=True, text=True).stdout.strip():
         assert time.time() < deadline, "requeued jobs did not finish"
-        time.sleep(2)
+        time.sleep(1)
     for how, ref in (("usr1", "two"), ("requeue", "one")):
-        out = "".join(open(p, errors="replace").read() for p in (tmp_path / how).glob("slurm-*.out"))
+        out = "".join(open(p, errors="replace").read() for p in (tmp / how).glob("slurm-*.out"))
         state = subprocess.run(["scontrol", "show", "job", jobs[how]], capture_output=True, text=True).stdout
         assert "JobState=COMPLETED" in state and "Restarts=1" in state, (how, state, out[-3000:])
-        ckpt = torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True)
+        ckpt = torch.load(tmp / how / "run" / "ckpt.pt", weights_only=True)
         a = torch.load(tmp_path / ref / "ckpt.pt", weights_only=True)
-        assert ckpt["step"] == 400 and ckpt["data"] == a["data"]
+        assert ckpt["step"] == 100 and ckpt["data"] == a["data"]
         for name in a["model"]:
             assert torch.equal(a["model"][name], ckpt["model"][name]), (how, name)
-        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl")
-                   if '"resume"' in l]
-        assert len(resumed) == 1 and 5 <= resumed[0] < 400, how  # from the signal's checkpoint (--ckpt-every 1000)
+        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp / how / "run" / "log.jsonl") if '"resume"' in l]
+        assert len(resumed) == 1 and 5 <= resumed[0] < 100, how  # from the signal's checkpoint (--ckpt-every 1000)
         if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
             chain = ["run.slurm: USR1, passing it to the training step", "rank 0: caught SIGUSR1",
                      "rank 1: caught SIGUSR1", f"caught SIGUSR1: checkpoint written at step {resumed[0]}",
-                     "run.slurm: checkpoint written; requeueing job", f"resumed from {tmp_path / how / 'run'}/ckpt.pt "
+                     "run.slurm: checkpoint written; requeueing job", f"resumed from {tmp / how / 'run'}/ckpt.pt "
                      f"at step {resumed[0]}", "parameters identical on all 2 ranks: True"]
             where = [out.find(chain[0])]
             where += [out.find(s, where[0]) for s in chain[1:3]]  # (the two ranks in either order)
@@ -1564,7 +1621,6 @@ def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
 
 
 def wait_for_log_lines(path, n, timeout=120):
-    import time
     deadline = time.time() + timeout
     while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= n):
         time.sleep(0.05)
@@ -1689,7 +1745,6 @@ def test_oserror_while_saving_a_checkpoint_or_a_png_warns_and_training_goes_on(t
 
 
 def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path):
-    import time
     os.makedirs(tmp_path / "tiny")
     for s in range(3):  # 3 samples, batch 8
         write_shard(str(tmp_path / "tiny" / f"s{s}.tar"), [{"__key__": f"{s}", "png": png(), "txt": "a red square"}])
@@ -1751,29 +1806,32 @@ def test_caption_states_are_the_same_bits_in_any_batch_cached_or_not():
 
 
 def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(tmp_path):
-    import signal
-    import time
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "1000", "--ckpt-every", "1000"]
+    stuck_in_step = lambda seconds: ("real = train.train_step\ndef step(S, *a):\n    if S.step == 3: print('stuck', "
+                                     f"flush=True); time.sleep({seconds})\n    return real(S, *a)\n"
+                                     "train.train_step = step")
     cases = {  # where the process is stuck -> (exit status, what it prints)
+        "repeat": (stuck_in_step(5), 0, "checkpoint written at step 4"),  # the same signal twice, 0.2 s apart
         "startup": ("real = train.setup\ndef setup(args):\n    print('stuck', flush=True); time.sleep(600)\n"
                     "train.setup = setup", 128 + signal.SIGTERM, "caught SIGTERM: exiting at once"),
         "data": ("import itertools\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"
                  "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True); time.sleep(600)\n"
                  "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 3"),
-        "step": ("real = train.train_step\ndef step(S, *a):\n    if S.step == 3: print('stuck', flush=True); "
-                 "time.sleep(600)\n    return real(S, *a)\ntrain.train_step = step", 128 + signal.SIGTERM,
-                 "exiting at once"),
+        "step": (stuck_in_step(600), 128 + signal.SIGTERM, "exiting at once"),  # a second signal, 3 s later
     }
+    procs = {}
+    for case, (body, _, _) in cases.items():  # all four side by side ("repeat" first: its step ends after 5 s)
+        (tmp_path / case).mkdir()
+        procs[case] = run_script(tmp_path / case, body, flags + ["--out", str(tmp_path / case / "run")])
     for case, (body, code, says) in cases.items():
-        out = tmp_path / case
-        p = run_script(tmp_path, body, flags + ["--out", str(out)])
+        p, out = procs[case], tmp_path / case / "run"
         for line in p.stdout:  # the banner, then "stuck"
             if "stuck" in line:
                 break
         p.send_signal(signal.SIGTERM)
-        if case == "step":  # inside a step the first signal waits for the step to end; a second one does not
-            time.sleep(3)
+        if case in ("step", "repeat"):  # inside a step the first signal waits for the step to end; a second one
+            time.sleep(3 if case == "step" else 0.2)  # does not, unless it is the same event arriving twice
             assert p.poll() is None
             p.send_signal(signal.SIGTERM)
         t0 = time.time()
@@ -1783,6 +1841,8 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
         assert not list(out.rglob("*.tmp"))
         if case == "data":  # one process waiting for data: its last step is complete, so it checkpoints
             assert torch.load(out / "ckpt.pt", weights_only=True)["data"][0]["batch_in_epoch"] == 3
+        elif case == "repeat":
+            assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
         else:
             assert not (out / "ckpt.pt").exists()
 
@@ -1791,8 +1851,6 @@ def launch_and_signal(out, flags, signum, to_all=False):
     """Plain torchrun (no --signals-to-handle, as users type it) with 2 ranks; after 5 log lines `signum` goes to
     torchrun alone, or to torchrun and every rank at once (what `scancel --signal` and Slurm's time limit do).
     -> (torchrun's stdout, the checkpoint's step); asserts that no process of the run is left."""
-    import signal
-    import time
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           free_port(), "train.py", *flags, "--out", str(out)], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -1815,14 +1873,12 @@ def launch_and_signal(out, flags, signum, to_all=False):
 
 
 def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_exact(tmp_path, builtin16):
-    import signal
-    flags = TINY + ["--image-size", "16", "--steps", "100", "--ckpt-every", "1000", "--batch-size", "8",
+    flags = TINY + ["--image-size", "16", "--steps", "40", "--ckpt-every", "1000", "--batch-size", "8",
                     "--workers", "1", "--dist", "ddp"]
     torchrun(tmp_path, 2, flags + ["--out", str(tmp_path / "a")])  # uninterrupted
     b = tmp_path / "b"
     said, stopped = launch_and_signal(b, flags, signal.SIGUSR1)  # torchrun dies of it: its ranks see it die
-    assert 5 <= stopped < 100, said[-3000:]
-    import re
+    assert 5 <= stopped < 40, said[-3000:]
     for rank in (0, 1):  # a rank that had not yet seen its launcher die learns it from the others' all-reduce
         assert re.search(rf"rank {rank}: caught (the death of its launcher \(pid \d+\)|a signal sent to another "
                          rf"rank), stopping after step {stopped}\b", said), said[-3000:]
@@ -1830,7 +1886,7 @@ def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_ex
     assert f"checkpoint written at step {stopped}" in said
     assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", str(b), "--auto-resume"])
     ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "a", b))
-    assert cb["step"] == 100 and ca["data"] == cb["data"]
+    assert cb["step"] == 40 and ca["data"] == cb["data"]
     for name in ca["model"]:
         assert torch.equal(ca["model"][name], cb["model"][name]), name
 
@@ -1838,7 +1894,6 @@ def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_ex
 @pytest.mark.parametrize("signame, to_all", [("SIGTERM", False), ("SIGTERM", True), ("SIGUSR1", True)])
 def test_a_signal_to_torchrun_or_to_every_process_ends_in_one_checkpoint_and_no_orphan(tmp_path, builtin16,
                                                                                       signame, to_all):
-    import signal
     flags = TINY + ["--image-size", "16", "--steps", "100000", "--ckpt-every", "100000", "--batch-size", "8",
                     "--workers", "1", "--dist", "ddp"]
     said, stopped = launch_and_signal(tmp_path / "run", flags, getattr(signal, signame), to_all)

@@ -360,7 +360,7 @@ def main(argv=None):
         run = start(args)                                  # run folder, set-up, resume, the banner
         if train_loop(args, run, signals):                 # steps, log lines, sample grids, checkpoints
             name = signals.caught[0] if signals.caught else "a signal sent to another rank"
-            print(f"rank {run.rank}: caught {name}, stopping after step {run.step}", flush=True)
+            print(f"rank {run.rank}: caught {name}, stopping after step {run.step}\n", end="", flush=True)  # one write
             signals.defer, t0 = True, time.time()  # (the same signal arriving twice is not a second one)
             code = 0 if save_checkpoint(run, args) else 1  # every rank writes one checkpoint
             if run.rank == 0 and not code:  # (how long it took: the warning a run of this size needs)
@@ -375,9 +375,9 @@ def main(argv=None):
         if dist.is_initialized():
             os._exit(128 + signum)
         raise SystemExit(128 + signum)
-    finally:
-        for s, handler in signals.old.items():  # (the tests call main() again in the same process)
-            signal.signal(s, handler)
+    finally:  # (the tests call main() again in one process); after a stop, late copies of the signal are ignored
+        for s, handler in signals.old.items():
+            signal.signal(s, signal.SIG_IGN if signals.caught else handler)
 
 
 # ==== What a first read may skip: logging, checkpoints, evaluation, stop signals, exits ==============================

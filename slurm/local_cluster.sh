@@ -23,6 +23,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
+# a requeued job waits cred_expire seconds before it starts again (default 120): 10 keeps the tests short
+AuthInfo=cred_expire=10
 MpiDefault=none
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
