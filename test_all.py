@@ -206,26 +206,37 @@ def test_time_distributions():
     assert torch.allclose(torch.logit(ln).std(), torch.tensor(1.0), atol=0.03)
 
 
-def test_time_shift_is_sd3s_and_the_sampler_uses_the_training_runs_shift(tmp_path, builtin16, monkeypatch):
+def test_time_shift_and_distribution_reach_the_training_step_and_the_sampler_uses_the_runs_shift(tmp_path, builtin16,
+                                                                                                 monkeypatch):
     t = torch.linspace(0, 1, 101)
     assert flow.shift_t(t, 1.0) is t and torch.equal(flow.shift_t(t, 3.0)[[0, -1]], torch.tensor([0.0, 1.0]))
     assert torch.allclose(flow.shift_t(torch.tensor(0.5), 3.0), torch.tensor(0.75))  # 3 * .5 / (1 + 2 * .5)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)  # training draws the shifted times
     assert torch.equal(flow.sample_t(1000, "logit-normal", g1, shift=3.0),
                        flow.shift_t(flow.sample_t(1000, "logit-normal", g2), 3.0))
-    seen = []  # the shifted Euler grid: from 1, strictly decreasing, and the steps add up to exactly -1
+    seen = []  # the Euler grid is the shifted one, and its steps add up to exactly -1
     x = flow.euler(lambda x, t: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2), 8, shift=3.0)
-    assert seen[0] == 1.0 and all(a > b for a, b in zip(seen, seen[1:])) and seen[-1] > 0.1  # dense near noise
+    assert torch.allclose(torch.tensor(seen), flow.shift_t(torch.linspace(1, 0, 9)[:-1], 3.0))
     assert torch.allclose(x, torch.full((2,), -1.0)), "the grid must end at t = 0"
-    out = str(tmp_path / "run")
-    train.main(TINY + ["--image-size", "16", "--steps", "2", "--t-shift", "3", "--out", out])
-    model, encoder, targs = sample.load(os.path.join(out, "ckpt.pt"))
-    shifts, real = [], flow.euler
-    monkeypatch.setattr(flow, "euler", lambda v, x, steps, shift=1.0: shifts.append(shift) or real(v, x, steps, shift))
-    sample.draw(model, encoder, model.vae, ["a red circle"], 2, 3.0, 0, model.t_shift)  # as sample.py draws
-    assert targs["t_shift"] == 3.0 and shifts == [3.0]
+    times, real_forward = [], DiT.forward  # the times the model is fed, in training and in sampling
+    monkeypatch.setattr(DiT, "forward", lambda self, x, t, *a: times.append(t.detach().float()) or
+                        real_forward(self, x, t, *a))
+    fed = {}
+    for name, extra in (("shift", ["--t-shift", "3"]), ("plain", []), ("uniform", ["--t-dist", "uniform"])):
+        times.clear()
+        train.main(TINY + ["--image-size", "16", "--steps", "2", "--batch-size", "64", "--out", str(tmp_path / name),
+                           *extra])
+        fed[name] = torch.cat(times)
+    assert len(fed["plain"]) == 128 and torch.allclose(fed["shift"], flow.shift_t(fed["plain"], 3.0))  # same draws
+    edges = lambda t: ((t < 0.1) | (t > 0.9)).sum().item()  # uniform: 20% of draws; logit-normal: 2.8%
+    assert edges(fed["uniform"]) > 12 > edges(fed["plain"]), (edges(fed["uniform"]), edges(fed["plain"]))
+    times.clear()
+    sample.main(["--ckpt", str(tmp_path / "shift" / "ckpt.pt"), "--prompt", "a red circle", "--n", "1", "--steps",
+                 "2", "--out", str(tmp_path / "g.png")])
+    assert [t[0].item() for t in times] == [1.0, 0.75]  # the run's shift 3 on the grid (1, 1/2)
     with pytest.raises(SystemExit, match="--t-shift"):  # a resume may not silently change it
-        train.main(TINY + ["--image-size", "16", "--steps", "4", "--out", out, "--resume"])
+        train.main(TINY + ["--image-size", "16", "--steps", "4", "--batch-size", "64", "--out", str(tmp_path / "shift"),
+                           "--resume"])
 
 
 def test_euler_with_the_exact_field_maps_gaussian_noise_to_the_data_gaussian():
@@ -346,6 +357,11 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
         attrs.append(json.loads(s["json"]))
     acc = sample.grade(images, attrs)
     assert len(images) == 2000 and acc["all"] >= 0.98, acc
+    for s in wds.tarfile_samples({"url": u} for u in shards):  # and each caption names what its picture shows
+        a, words = json.loads(s["json"]), s["txt"].decode()
+        named = lambda options: [o for o in options if re.search(rf"\b{o}\b", words)]
+        assert [named(data.COLORS), named(data.SHAPES), named(data.POSITIONS)] == \
+            [[a["color"]], [a["shape"]], [a["position"]]], (a, words)
     assert sample.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
 
 
@@ -545,7 +561,7 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero():
 
 
 def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_drawn_rows(monkeypatch):
-    args = train.get_args(TINY + ["--image-size", "16", "--ema", "0.5", "--cfg-drop", "0.5", "--out", "/nonexistent"])
+    args = train.get_args(TINY + ["--image-size", "16", "--ema", "0.5", "--cfg-drop", "0.2", "--out", "/nonexistent"])
     S, micro, keeps = train.setup(args), None, []
     micro = synthetic_step_inputs(S)
     real = flow.drop_captions
@@ -564,7 +580,7 @@ def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_dr
         for e, b, m in zip(S.ema.parameters(), before, S.model.parameters()):
             assert torch.allclose(e, b + (1 - decay) * (m - b), atol=1e-7), step
     dropped = 1 - torch.cat(keeps).float().mean().item()
-    assert len(keeps) == 12 and 0.35 < dropped < 0.65, dropped  # --cfg-drop 0.5 of 192 captions
+    assert len(keeps) == 12 and 0.1 < dropped < 0.3, dropped  # --cfg-drop 0.2 of 192 captions (not 0.8)
     assert any(not torch.equal(e, m) for e, m in zip(S.ema.parameters(), S.model.parameters()))
 
 
@@ -980,9 +996,10 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
     res = prof.measure(prof.get_args(["full", "--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2",
                                       "--batch-size", "8", "--workers", "0", "--iters", "3", "--warmup-iters", "1",
                                       "--out", str(tmp_path)]))
-    assert 300 <= res["data_wait_ms"] < 450 and 600 <= res["encoders_ms"] < 750, res
-    assert all(res[f"{p}_ms"] < 150 for p in ("forward", "backward", "optimizer")), \
-        {k: v for k, v in res.items() if "_ms" in k}
+    # each delay lands in its own phase, and in no other: a phase holds at least its delay and less than the next
+    # one (the model's phases take a few ms here; even a loaded machine stays far from 300 ms)
+    assert 300 <= res["data_wait_ms"] < 600 <= res["encoders_ms"] < 900, res
+    assert all(res[f"{p}_ms"] < 300 for p in ("forward", "backward", "optimizer")), res
     assert res["share"]["encoders"] > res["share"]["data_wait"] > res["share"]["forward"]
 
 
@@ -1143,6 +1160,14 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
 # -----------------------------------------------------------------------------------------------
 SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
               "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
+
+
+def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
+    env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    cmd = ["sbatch", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
+    return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(slurm_runs):
