@@ -514,8 +514,9 @@ def plot_run(folder):
         data.atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
     except OSError as e:
         print(f"warning: {folder}/loss.png not written ({e}); going on", file=sys.stderr)
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in axes for line in ax.lines}
     plt.close(fig)
-    return curves
+    return drawn
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -60,78 +59,6 @@ def toy_inputs(B=3, L=5, D_text=24, size=16):
     mask[1, 2:] = False   # a short caption
     mask[2, :] = False    # the null caption
     return x, t, text, mask
-
-
-# Long jobs that mostly wait (Slurm's queue and requeue hold, fresh processes) start with the session when a selected
-# test needs them, and run beside the other tests on the second core; the tests that need them collect them.
-@pytest.fixture(scope="session", autouse=True)
-def background(request, tmp_path_factory):
-    wanted = {name for item in request.session.items for name in item.fixturenames}
-    jobs = {name: start(tmp_path_factory.mktemp(name)) for name, start in (
-        ("profile_suite", start_profile_suite), ("slurm_runs", start_slurm_runs)) if name in wanted}
-    yield jobs
-    for job in jobs.values():
-        job["stop"]()
-
-
-@pytest.fixture(scope="session")
-def profile_suite(background):
-    """`python profile.py suite` (1 timed step per setting), run from the session's start. -> (its stdout, out)"""
-    job = background["profile_suite"]
-    job["proc"].wait(timeout=900)
-    assert job["proc"].returncode == 0, job["log"].read_text()[-3000:]
-    return job["log"].read_text(), job["out"]
-
-
-def start_profile_suite(out):
-    log = out / "stdout"
-    proc = subprocess.Popen([sys.executable, "profile.py", "suite", "--iters", "1", "--warmup-iters", "1", "--out",
-                             str(out)], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # one core: the tests keep the other
-    return dict(proc=proc, log=log, out=out, stop=proc.kill)
-
-
-@pytest.fixture(scope="session")
-def slurm_runs(background):
-    """The Slurm jobs, started with the session: a 2-rank `sbatch --wait`, a failing one, and two pre-empted jobs
-    (each signalled once it has logged 5 steps). -> the job record, once the thread has sent its signals."""
-    job = background["slurm_runs"]
-    if job.get("skipped"):
-        pytest.skip("needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
-    job["thread"].join(timeout=600)
-    assert not job["errors"], job["errors"]
-    return job
-
-
-def start_slurm_runs(tmp_path):
-    if shutil.which("sbatch") is None:
-        assert not STRICT, "CI must run the Slurm tests: start a cluster with `bash slurm/local_cluster.sh`"
-        return dict(stop=lambda: None, skipped=True)
-    job = dict(tmp=tmp_path, errors=[], preempted={}, flags=SLURM_TINY + ["--steps", "100", "--log-every", "1",
-                                                                        "--ckpt-every", "1000"])
-    for how, nproc in (("usr1", 2), ("requeue", 1)):  # Slurm's two ways to pre-empt, side by side
-        (tmp_path / how).mkdir()
-        r = sbatch(tmp_path / how, job["flags"] + ["--out", str(tmp_path / how / "run")], nproc=nproc, wait=False,
-                   cpus=1)
-        job["preempted"][how] = r.stdout.strip().split(";")[0]
-        assert job["preempted"][how], r.stderr
-
-    def signal_then_sbatch():
-        try:
-            for how, id in job["preempted"].items():
-                wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
-                subprocess.run(["scancel", "--batch", "--signal=USR1", id] if how == "usr1" else
-                               ["scontrol", "requeue", id], check=True)
-            (tmp_path / "two").mkdir()
-            job["two"] = sbatch(tmp_path / "two", SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "two" / "run")],
-                                nproc=2)
-            job["failing"] = sbatch(tmp_path / "two", ["--attn", "flash"])
-        except BaseException as e:  # (re-raised by the tests)
-            job["errors"].append(repr(e))
-    job["thread"] = threading.Thread(target=signal_then_sbatch, daemon=True)
-    job["thread"].start()
-    job["stop"] = lambda: subprocess.run(["scancel", *job["preempted"].values()], capture_output=True)
-    return job
 
 
 # -----------------------------------------------------------------------------------------------
@@ -226,8 +153,9 @@ def test_time_shift_and_distribution_reach_the_training_step_and_the_sampler_use
         times.clear()
         train.main(TINY + ["--image-size", "16", "--steps", "2", "--batch-size", "64", "--out", str(tmp_path / name),
                            *extra])
-        fed[name] = torch.cat(times)
-    assert len(fed["plain"]) == 128 and torch.allclose(fed["shift"], flow.shift_t(fed["plain"], 3.0))  # same draws
+        assert [len(t) for t in times[:2]] == [64, 64]  # the 2 training steps (then the last grid's sampling)
+        fed[name] = torch.cat(times[:2])
+    assert torch.allclose(fed["shift"], flow.shift_t(fed["plain"], 3.0))  # same draws
     edges = lambda t: ((t < 0.1) | (t > 0.9)).sum().item()  # uniform: 20% of draws; logit-normal: 2.8%
     assert edges(fed["uniform"]) > 12 > edges(fed["plain"]), (edges(fed["uniform"]), edges(fed["plain"]))
     times.clear()
@@ -396,19 +324,34 @@ def builtin16():
 
 @pytest.fixture(scope="module")
 def trained16(tmp_path_factory, builtin16):
-    """One short run on the built-in shapes at 16 px (80 steps, two grids, a final evaluation), shared by the
-    tests that need a trained model. -> its run folder."""
+    """The smallest run that learns the built-in shapes' colours and positions (16 px, width 64, patch 2, 300 steps
+    of 32, two grids, a final evaluation at 4 Euler steps; ~25 s), shared by the tests that need a trained model."""
     out = str(tmp_path_factory.mktemp("trained16") / "run")
-    train.main(TINY + ["--image-size", "16", "--width", "64", "--steps", "80", "--lr", "2e-3", "--warmup", "10",
-                       "--sample-every", "40", "--eval-n", "1", "--sample-steps", "2", "--out", out])
+    train.main(TINY + ["--image-size", "16", "--width", "64", "--patch", "2", "--batch-size", "32", "--steps", "300",
+                       "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n", "1", "--sample-steps",
+                       "4", "--out", out])
     return out
+
+
+def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beats_none(trained16, tmp_path):
+    """What the model draws for a caption, graded by the judge on every held-out prompt: a sampler that guides away
+    from the caption (caption and null caption swapped) scores at or below the caption-blind samples."""
+    final = next(json.loads(l)["eval"] for l in open(os.path.join(trained16, "log.jsonl")) if '"eval"' in l)
+    assert train.get_args(["--out", "/nonexistent"]).cfg == 3.0  # (the final evaluation's guidance: the default)
+    model, encoder, _ = sample.load(os.path.join(trained16, "ckpt.pt"))
+    grade = lambda cfg: sample.evaluate(model, encoder, None, None, str(tmp_path / "g.png"), 1, 4, cfg, 0,
+                                        model.t_shift)[0]
+    blind, unguided = grade(0.0), grade(1.0)  # w = 0: the unconditional field alone; w = 1: no guidance
+    assert blind["color"] < 0.35 and blind["position"] < 0.4, blind  # chance: 1/6 and 1/5
+    assert final["color"] >= 0.8 and final["position"] >= 0.8, final  # (1.0 and 0.99 here)
+    assert final["color"] + final["position"] > unguided["color"] + unguided["position"], (final, unguided)
 
 
 def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16, tmp_path):
     log = [json.loads(l) for l in open(os.path.join(trained16, "log.jsonl"))]
     losses = [r["loss"] for r in log if "loss" in r]
-    assert len(losses) == 80 and sum(losses[-10:]) < 0.7 * sum(losses[:10])
-    for f in ("ckpt.pt", "args.json", "loss.png", "samples/step_000040.png", "samples/eval.png"):
+    assert len(losses) == 300 and sum(losses[-10:]) < 0.7 * sum(losses[:10])
+    for f in ("ckpt.pt", "args.json", "loss.png", "samples/step_000150.png", "samples/eval.png"):
         assert os.path.exists(os.path.join(trained16, f)), f
 
     def loss(model, x0, text, mask, t, eps, time=lambda t: t):  # the flow loss of `model`, fed time(t) for t
@@ -421,7 +364,7 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     t, eps = flow.sample_t(128, "logit-normal", g), torch.randn(b["image"].shape, generator=g)
     right, wrong_t = (loss(model, b["image"], text, mask, t, eps, time)
                       for time in (lambda t: t, lambda t: (t + 0.5) % 1))
-    assert right < 0.97 * wrong_t, (right, wrong_t)  # (1.07x here)
+    assert right < 0.97 * wrong_t, (right, wrong_t)
     # the caption: 40 steps on two pictures, one caption each, already tell them apart
     colours = {"a red square": (220, 30, 30), "a blue square": (30, 30, 220)}
     (tmp_path / "two").mkdir()
@@ -514,18 +457,25 @@ def test_usr1_or_term_to_python_train_py_checkpoints_and_the_resumed_run_ends_wh
 def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16, tmp_path):
     ckpt = os.path.join(trained16, "ckpt.pt")
     final = [json.loads(l)["eval"] for l in open(os.path.join(trained16, "log.jsonl")) if '"eval"' in l]
-    r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--eval", "--eval-n", "1", "--steps", "2"],
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--eval", "--eval-n", "1", "--steps", "4"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     acc = json.loads(r.stdout.strip().splitlines()[-1])
-    assert acc["n"] == 90 and (acc["steps"], acc["cfg"]) == (2, 3.0)
+    assert acc["n"] == 90 and (acc["steps"], acc["cfg"]) == (4, 3.0)
     # the same EMA, prompts, noise (seed 0), steps and guidance as train.py's final evaluation: the same grades
     assert len(final) == 1 and {k: acc[k] for k in final[0]} == final[0], (acc, final)
-    assert acc["all"] <= min(acc["color"], acc["shape"], acc["position"])
-    assert os.path.exists(os.path.join(trained16, "eval_2steps_cfg3.png"))
-    r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--prompt", "a red circle", "--n", "2", "--steps",
-                        "2", "--out", str(tmp_path / "g.png")], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0 and Image.open(tmp_path / "g.png").size == (2 * 16 * 2, 16 * 2)
+    assert os.path.exists(os.path.join(trained16, "eval_4steps_cfg3.png"))
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--prompt", "a red circle", "--n", "3", "--steps",
+                        "2", "--batch", "2", "--seed", "7", "--out", str(tmp_path / "g.png")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and Image.open(tmp_path / "g.png").size == (3 * 16 * 2, 16 * 2), r.stderr[-3000:]
+    # --batch 2: two chunks, the second with the noise of --seed + 2; the grid is exactly these samples
+    model, encoder, _ = sample.load(ckpt)
+    drawn = sample.draw(model, encoder, None, ["a red circle"] * 3, 2, 3.0, 7, model.t_shift, batch=2)
+    sample.save_grid([data.to_pil(x) for x in data.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "g.png")), np.asarray(Image.open(tmp_path / "h.png")))
+    last = sample.draw(model, encoder, None, ["a red circle"], 2, 3.0, 9, model.t_shift)
+    assert torch.equal(drawn[2:], last) and not torch.equal(drawn[:1], last)
 
 
 @pytest.mark.parametrize("argv, fix", [(["--attn", "flash"], "choose from"),
@@ -675,13 +625,14 @@ def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trai
     os.remove(run / "loss.png")
     r = subprocess.run([sys.executable, "sample.py", "--plot", str(run)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and Image.open(run / "loss.png").size[0] > 600, r.stderr
-    series = sample.plot_run(str(run))  # what it drew: each curve's steps and values
+    series = sample.plot_run(str(run))  # what it drew: each line's label, x and y, read back from the figure
     recs = [json.loads(l) for l in open(run / "log.jsonl") if '"loss"' in l]
-    assert series["loss"] == ([r["step"] for r in recs], [r["loss"] for r in recs])
-    assert series["lr"][1] == [r["lr"] for r in recs]
+    drawn = lambda name: [None if math.isnan(v) else v for v in series[name][1]]  # (a null is drawn as a gap)
+    assert series["loss"][0] == [r["step"] for r in recs] and drawn("loss") == [r["loss"] for r in recs]
+    assert drawn("lr") == [r["lr"] for r in recs]
     for q in range(4):
-        assert series[f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})"][1] == [r["loss_t_bins"][q] for r in recs]
-    assert series["all"][0] == [40, 80]  # the grids' scores at steps 40 and 80 (the final evaluation)
+        assert drawn(f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})") == [r["loss_t_bins"][q] for r in recs]
+    assert series["all"][0] == [150, 300]  # the grids' scores at steps 150 and 300 (the final evaluation)
     with pytest.raises(SystemExit, match="no log.jsonl"):
         sample.plot_run(str(tmp_path / "nothing"))
 
@@ -689,6 +640,13 @@ def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trai
 # -----------------------------------------------------------------------------------------------
 # moe.py
 # -----------------------------------------------------------------------------------------------
+def blind_loss(shards, size=16):
+    """The flow loss of the best model that ignores its inputs: it predicts E[eps - x0] = -E[x0] everywhere and scores
+    1 + the data's per-pixel variance (1.16 on the shapes at 16 px). A run that learned anything lands below it."""
+    x0 = torch.cat([b["image"] for b in data.ShardStream(shards, 16, size)])
+    return 1 + x0.var(0).mean().item()
+
+
 @pytest.mark.parametrize("case", ["one idle expert", "every token on the same two experts"])
 def test_sorted_and_grouped_dispatches_equal_loop_in_outputs_and_gradients(case):
     torch.manual_seed(0)
@@ -906,7 +864,7 @@ def test_bf16_on_cpu_with_grouped_moe_learns_and_resumes_exactly(tmp_path, monke
     train.main(flags + ["--out", str(tmp_path / "a")])
     log = [json.loads(l) for l in open(tmp_path / "a" / "log.jsonl") if '"loss"' in l]
     assert [r["step"] for r in log] == list(range(3, 61, 3))
-    assert sum(r["loss"] for r in log[-4:]) / 4 < 0.75 * sum(r["loss"] for r in log[:4]) / 4
+    assert sum(r["loss"] for r in log[-4:]) / 4 < 0.9 * blind_loss(small)  # (0.81x here)
     crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=40)
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
     assert a["args"]["precision"] == "bf16" and a["step"] == b["step"] == 60
@@ -921,20 +879,51 @@ def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
     train.main(flags + ["--out", str(tmp_path / "a")])
     log = [json.loads(l) for l in open(tmp_path / "a" / "log.jsonl") if '"loss"' in l]
     losses = [r["loss"] for r in log]
-    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert sum(losses[-5:]) / 5 < 0.95 * blind_loss(small)  # (0.92x here)
     assert all(0 < r["balance_loss"] < 0.05 for r in log)
     assert len(log[-1]["routing"]) == 2 and len(log[-1]["routing"][0]["load"]) == 4
     crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=25)
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
-    # routing heatmaps from the checkpoint: every token's k choices are counted once per t bin
-    model, encoder, targs = sample.load(str(tmp_path / "a" / "ckpt.pt"))
-    by = sample.routing_maps(model, encoder, 16, str(tmp_path), t_bins=3)
-    n_tok = len(data.heldout_prompts(1)) * (16 // 4) ** 2 * 2  # prompts x patches x top-2
-    assert by["timestep"].shape == (2, 3, 4) and torch.allclose(by["timestep"].sum((1, 2)), torch.tensor(3.0 * n_tok))
-    assert torch.allclose(by["colour"].sum((1, 2)), by["position"].sum((1, 2)))
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "a" / "ckpt.pt"), "--routing"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)  # the heatmaps, from the command line
+    assert r.returncode == 0, r.stderr[-3000:]
     for key in ("timestep", "colour", "shape", "position"):
+        assert Image.open(tmp_path / "a" / f"routing_{key}.png").size[0] > 100
+
+
+def test_routing_maps_count_each_tokens_experts_under_its_t_colour_shape_and_patch(tmp_path, monkeypatch):
+    """Choices rigged to known ones (layer 0: the caption's colour and the t bin; layer 1: the patch) must land in
+    exactly the cells counted here by hand: a map indexed by the wrong attribute, or transposed, fails."""
+    model, E, t_bins = tiny_model(moe=4, topk=2).eval(), 4, 3
+    model.vae, prompts, n = None, data.heldout_prompts(1), model.n_side
+    colour = torch.tensor([list(data.COLORS).index(a["color"]) for _, a in prompts]).repeat_interleave(n * n)
+    patch, now = torch.arange(n * n).repeat(len(prompts)), []
+    model.register_forward_pre_hook(lambda m, args: now.append(int(args[1][0].item() * t_bins)))  # the t bin
+    layers, real_route = [m for m in model.modules() if isinstance(m, moe.MoE)], moe.MoE.route
+
+    def route(self, x):
+        out = real_route(self, x)
+        self.stats["idx"] = (torch.stack([colour % E, torch.full_like(colour, now[-1])], -1) if self is layers[0]
+                             else torch.stack([patch % E, (patch + 1) % E], -1))
+        return out
+    monkeypatch.setattr(moe.MoE, "route", route)
+    encoder = lambda caps: (torch.randn(len(caps), 5, 24), torch.ones(len(caps), 5, dtype=torch.bool))
+    by = sample.routing_maps(model, encoder, 16, str(tmp_path), t_bins=t_bins)
+    want = {k: torch.zeros_like(v) for k, v in by.items()}
+    for b in range(t_bins):
+        for _, a in prompts:
+            c, s = list(data.COLORS).index(a["color"]), data.SHAPES.index(a["shape"])
+            for j in range(n * n):
+                for layer, experts in enumerate(([c % E, b], [j % E, (j + 1) % E])):
+                    for e in experts:
+                        want["timestep"][layer, b, e] += 1
+                        want["colour"][layer, c, e] += 1
+                        want["shape"][layer, s, e] += 1
+                        want["position"][layer, e, j] += 1
+    for key in want:
+        assert torch.equal(by[key], want[key]), key
         assert Image.open(tmp_path / f"routing_{key}.png").size[0] > 100
 
 
@@ -1003,9 +992,12 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
     assert res["share"]["encoders"] > res["share"]["data_wait"] > res["share"]["forward"]
 
 
-def test_profile_suite_prints_a_header_and_one_table_per_claim(profile_suite):
-    said, out = profile_suite
-    assert "## profile.py suite: CPU (1 threads)" in said
+def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
+    r = subprocess.run([sys.executable, "profile.py", "suite", "--iters", "1", "--warmup-iters", "1", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = r.stdout
+    assert f"## profile.py suite: CPU ({torch.get_num_threads()} threads)" in said
     assert f"torch {torch.__version__}, CUDA none, peak FLOP/s unknown: no MFU" in said
     sections = said.split("### ")[1:]
     assert len(sections) == 9 and "failed" not in said  # two attention sizes + 7 claims
@@ -1016,7 +1008,7 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(profile_suite):
         assert [row[0][2:] for row in rows] == values, sec
         assert all(float(row[4].split()[0]) > 0 for row in rows), sec
     assert "moe-impl=loop,sorted,grouped" in said and "--synthetic 4,16,77,768" in said
-    assert open(out / "profile" / "suite.md").read().count("### ") == 9
+    assert open(tmp_path / "profile" / "suite.md").read().count("### ") == 9
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1170,21 +1162,38 @@ def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(slurm_runs):
-    r, tmp = slurm_runs["two"], slurm_runs["tmp"] / "two"
-    out = "".join(open(p, errors="replace").read() for p in tmp.glob("slurm-*.out"))
+def need_slurm():
+    if shutil.which("sbatch") is None:
+        assert not STRICT, "CI must run the Slurm tests: start a cluster with `bash slurm/local_cluster.sh`"
+        pytest.skip("needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
+
+
+def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
+    need_slurm()
+    r = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
+    out = "".join(open(p, errors="replace").read() for p in tmp_path.glob("slurm-*.out"))
     assert r.returncode == 0, out[-3000:]
     assert "2 ranks x 8 = global batch 16" in out and "parameters identical on all 2 ranks: True" in out
-    assert torch.load(tmp / "run" / "ckpt.pt", weights_only=True)["step"] == 4
-    assert slurm_runs["failing"].returncode != 0  # sbatch --wait reports the failure
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 4
+    assert sbatch(tmp_path, ["--attn", "flash"]).returncode != 0  # sbatch --wait reports the failure
 
 
-def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(slurm_runs, tmp_path):
+def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
     """Both ways a cluster pre-empts: USR1 to the batch shell only (`--signal=B:USR1`, here `scancel --batch`),
     which must travel batch script -> srun -> torchrun -> every rank; and `scontrol requeue` (SIGTERM to
-    every process of the job). The jobs started with the session (see `background`)."""
-    flags, jobs, tmp = slurm_runs["flags"], slurm_runs["preempted"], slurm_runs["tmp"]
-    train.main(flags + ["--out", str(tmp_path / "one")])  # the same runs, uninterrupted
+    every process of the job). The two jobs run side by side; slurm/local_cluster.sh holds a requeued job 10 s."""
+    need_slurm()
+    flags, jobs = SLURM_TINY + ["--steps", "100", "--log-every", "1", "--ckpt-every", "1000"], {}
+    for how, nproc in (("usr1", 2), ("requeue", 1)):
+        (tmp_path / how).mkdir()
+        r = sbatch(tmp_path / how, flags + ["--out", str(tmp_path / how / "run")], nproc=nproc, wait=False, cpus=1)
+        jobs[how] = r.stdout.strip().split(";")[0]
+        assert jobs[how], r.stderr
+    for how, job in jobs.items():
+        wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job] if how == "usr1" else ["scontrol", "requeue", job],
+                       check=True)
+    train.main(flags + ["--out", str(tmp_path / "one")])  # meanwhile: the same runs, uninterrupted
     torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "two")])
     deadline = time.time() + 600
     squeue = ["squeue", "-h", "-j", ",".join(jobs.values())]
@@ -1192,20 +1201,20 @@ def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_run
         assert time.time() < deadline, "requeued jobs did not finish"
         time.sleep(1)
     for how, ref in (("usr1", "two"), ("requeue", "one")):
-        out = "".join(open(p, errors="replace").read() for p in (tmp / how).glob("slurm-*.out"))
         state = subprocess.run(["scontrol", "show", "job", jobs[how]], capture_output=True, text=True).stdout
+        out = "".join(open(p, errors="replace").read() for p in (tmp_path / how).glob("slurm-*.out"))
         assert "JobState=COMPLETED" in state and "Restarts=1" in state, (how, state, out[-3000:])
-        ckpt = torch.load(tmp / how / "run" / "ckpt.pt", weights_only=True)
+        ckpt = torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True)
         a = torch.load(tmp_path / ref / "ckpt.pt", weights_only=True)
         assert ckpt["step"] == 100 and ckpt["data"] == a["data"]
         for name in a["model"]:
             assert torch.equal(a["model"][name], ckpt["model"][name]), (how, name)
-        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp / how / "run" / "log.jsonl") if '"resume"' in l]
+        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl") if '"resume"' in l]
         assert len(resumed) == 1 and 5 <= resumed[0] < 100, how  # from the signal's checkpoint (--ckpt-every 1000)
         if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
             chain = ["run.slurm: USR1, passing it to the training step", "rank 0: caught SIGUSR1",
                      "rank 1: caught SIGUSR1", f"caught SIGUSR1: checkpoint written at step {resumed[0]}",
-                     "run.slurm: checkpoint written; requeueing job", f"resumed from {tmp / how / 'run'}/ckpt.pt "
+                     "run.slurm: checkpoint written; requeueing job", f"resumed from {tmp_path / how / 'run'}/ckpt.pt "
                      f"at step {resumed[0]}", "parameters identical on all 2 ranks: True"]
             where = [out.find(chain[0])]
             where += [out.find(s, where[0]) for s in chain[1:3]]  # (the two ranks in either order)
@@ -1460,7 +1469,46 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
                            "inception_score_std", "n_real", "clip_score", "steps", "cfg"}
     assert scores["n"] == 90 and scores["n_real"] == 10
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["text_dim"] == 32  # CLIP's width
-    assert all(math.isfinite(scores[k]) for k in ("fid", "inception_score", "clip_score"))
+    # the wiring, by hand: samples of the real captions (same seed) set against the real images, and the CLIPScore
+    # of those samples against their own captions (real images in place of samples, or other captions, differ)
+    model, encoder, _ = sample.load(os.path.join(out, "ckpt.pt"))
+    real, captions = sample.real_images(str(shards), 16, 10, 0)
+    fake = data.as_uint8(sample.draw(model, encoder, None, captions, 2, 3.0, 0, model.t_shift))
+    by_hand = sample.fid_is(real, fake, sample.feature_nets(str(tmp_path / "f.pt")))
+    assert by_hand["fid"] > 0.01 and all(math.isclose(scores[k], by_hand[k], rel_tol=1e-5)  # (KID: random subsets)
+                                         for k in ("fid", "inception_score")), (scores, by_hand)
+    clip_of = lambda images, words: sample.clip_score(images, words, sample.load_clip(clip))
+    assert math.isclose(scores["clip_score"], clip_of(fake, captions), rel_tol=1e-5)
+    assert not math.isclose(scores["clip_score"], clip_of(real, captions), rel_tol=1e-3)
+    assert not math.isclose(scores["clip_score"], clip_of(fake, captions[::-1]), rel_tol=1e-3)
+
+
+def test_data_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "data.py", *map(str, a)], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=300)
+    (tmp_path / "imgs").mkdir()
+    with open(tmp_path / "list.csv", "w") as f:
+        f.write("path,caption\n")
+        for i, c in enumerate(((200, 30, 30), (30, 30, 200))):
+            Image.new("RGB", (40, 40), c).save(tmp_path / "imgs" / f"{i}.png")
+            f.write(f'imgs/{i}.png,"caption {i}, with a comma"\n')
+    r = run("shards", tmp_path / "list.csv", tmp_path / "shards", "--size", "32", "--per-shard", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [s for u in sorted((tmp_path / "shards").glob("*.tar")) for s in wds.tarfile_samples([{"url": str(u)}])]
+    assert [s["txt"].decode() for s in got] == ["caption 0, with a comma", "caption 1, with a comma"]
+    assert Image.open(io.BytesIO(got[1]["jpg"])).size == (32, 32) and sha256sum_check(tmp_path / "shards")[0] == 0
+    raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=1, per_shard=20)
+    r = run("precompute", tmp_path / "raw", tmp_path / "pre", "--image-size", "16", "--batch-size", "8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    pre = list(wds.tarfile_samples([{"url": str(tmp_path / "pre" / os.path.basename(raw[0]))}]))
+    assert len(pre) == 20 and {"latent.npy", "text.npy", "mask.npy"} <= set(pre[0])
+    if not os.path.exists(data.EMOJI_FONT):
+        assert not STRICT, f"CI needs the emoji font {data.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
+        pytest.skip(f"python data.py emoji needs {data.EMOJI_FONT} (apt-get install fonts-noto-color-emoji)")
+    r = run("emoji", tmp_path / "emoji", "--categories", "food", "--size", "16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = data.names_set(str(tmp_path / "emoji"), 16)
+    assert "red apple" in names["names"] and len(names["real"]) == len(names["names"]) > 100
 
 
 def test_converter_round_trip_on_real_photos(tmp_path):
@@ -1554,7 +1602,8 @@ def emoji_set(tmp_path_factory):
         food = data.emoji_glyphs(["food"])
         assert len(food) > 100 and "red apple" in [n for _, n, _ in food]  # real names, from unicodedata
         glyphs = food[::len(food) // 8][:8]
-    else:
+    else:  # (a laptop without the font: the same tests on drawn glyphs; CI must have it)
+        assert not STRICT, f"CI needs the emoji font {data.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
         glyphs = glyph_like(8)
     data.make_emoji(out, size=16, glyphs=glyphs)
     return out, glyphs
@@ -1693,10 +1742,11 @@ def test_too_many_bad_steps_in_a_row_stop_naming_the_last_good_checkpoint(tmp_pa
     assert [strict_json(l).get("bad_step") for l in open(out / "log.jsonl")][-3:] == [True] * 3
 
 
-def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank_and_each_rank_reads_its_own_data(tmp_path, builtin16):
     body = ("real = train.encode_batch\nn = [0]\ndef enc(S, b):\n    x0, t, m = real(S, b)\n    n[0] += 1\n"
+            f"    open(f'{tmp_path}/captions{{S.rank}}.json', 'a').write(json.dumps(b['caption']) + '\\n')\n"
             "    if S.rank == 1 and n[0] == 3:\n        x0 = x0.clone(); x0[0, 0, 0, 0] = float('inf')\n"
-            "    return x0, t, m\ntrain.encode_batch = enc")
+            "    return x0, t, m\ntrain.encode_batch = enc\nimport json")
     flags = TINY + ["--image-size", "16", "--steps", "5", "--batch-size", "8", "--workers", "1", "--dist", "ddp",
                     "--out", str(tmp_path / "run")]
     p = run_script(tmp_path, body, flags, launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -1707,6 +1757,10 @@ def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     recs = [strict_json(l) for l in open(tmp_path / "run" / "log.jsonl")]
     assert [r["step"] for r in recs if r.get("bad_step")] == [3]
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 5
+    for rank in (0, 1):  # each rank trained on its own share of the shards, not on the whole stream
+        seen = [json.loads(l) for l in open(tmp_path / f"captions{rank}.json")]
+        mine = data.make_loader(builtin16, 8, 16, 0, 0, rank=rank, world=2, workers=1)
+        assert seen == [b["caption"] for b, _ in zip(mine, range(5))], rank
 
 
 def test_a_truncated_ckpt_falls_back_to_the_previous_one_and_resume_stays_exact(tmp_path, monkeypatch):
@@ -1739,7 +1793,8 @@ def test_a_truncated_ckpt_falls_back_to_the_previous_one_and_resume_stays_exact(
         train.main(flags + ["--out", str(b), "--auto-resume"])
 
 
-def test_oserror_while_saving_a_checkpoint_or_a_png_warns_and_training_goes_on(tmp_path, monkeypatch, capsys):
+def test_oserror_while_saving_a_checkpoint_or_a_png_warns_training_goes_on_and_a_lost_final_one_exits_1(tmp_path,
+                                                                                                  monkeypatch, capsys):
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     real_save, calls = torch.save, [0]
 
@@ -1767,6 +1822,14 @@ def test_oserror_while_saving_a_checkpoint_or_a_png_warns_and_training_goes_on(t
     assert torch.load(out / "ckpt.prev.pt", weights_only=True)["step"] == 4
     assert not list(out.rglob("*.tmp")) and (out / "samples" / "step_000004.png").exists()
     assert not (out / "samples" / "step_000002.png").exists()
+
+    def always_full(obj, f, *a, **k):  # a disk that stays full: the run cannot end with its final checkpoint
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", always_full)
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "2", "--out",
+                           str(tmp_path / "x")])
+    assert e.value.code == 1 and "error: the final checkpoint was not written" in capsys.readouterr().err
 
 
 def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path):
