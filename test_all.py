@@ -1,8 +1,11 @@
-"""test_all.py -- the CPU test suite: `pytest test_all.py`.
+"""test_all.py -- the CPU test suite: `pytest -rs test_all.py` (-rs prints why a test was skipped).
 
-Each test checks a claim the code or README makes and can fail: attention implementations agree,
-the untrained model predicts zero, the flow's signs and the sampler are right, bad data is skipped
-and counted, the judge can be trusted, training learns, and resume is bit-exact.
+Each test checks a claim the code or README makes, and fails on a plausible wrong implementation: attention
+implementations agree, the untrained model predicts zero, the flow's signs and the sampler are right, bad data is
+skipped and counted, the judge can be trusted, a trained model draws what its caption says, resume is bit-exact.
+Shared helpers come first; then one section per file under test (model, flow, data, train and sample, moe, profile,
+distributed, run.slurm, real-scale inputs, metrics, emoji); then the faults. With CI=1 a test that needs Slurm or
+the emoji font fails where it is missing instead of skipping.
 """
 import copy
 import importlib.util
@@ -38,6 +41,9 @@ TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "
         "--sample-every", "0", "--eval-n", "0", "--sample-steps", "4", "--log-every", "1"]
 
 
+# -----------------------------------------------------------------------------------------------
+# Shared helpers: tiny models and inputs, shards, crash-and-resume, launchers (torchrun, sbatch), logs
+# -----------------------------------------------------------------------------------------------
 def tiny_model(**kw):
     torch.manual_seed(0)
     return DiT(**dict(dict(image_size=16, patch=4, width=32, depth=2, heads=2, text_dim=24), **kw))
@@ -59,6 +65,105 @@ def toy_inputs(B=3, L=5, D_text=24, size=16):
     mask[1, 2:] = False   # a short caption
     mask[2, :] = False    # the null caption
     return x, t, text, mask
+
+
+def write_shard(path, samples):
+    with wds.TarWriter(path) as w:
+        for s in samples:
+            w.write(s)
+
+
+def png(color=(200, 30, 30), size=16):
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def crash_then_resume(monkeypatch, argv, crash_at):
+    """Run train.main(argv) until the step after `crash_at` dies, then run it again with --resume."""
+    real_step = train.train_step
+
+    def crash(S, *a):
+        if S.step == crash_at:
+            raise KeyboardInterrupt
+        return real_step(S, *a)
+
+    monkeypatch.setattr(train, "train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(argv)
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(argv + ["--resume"])
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def torchrun(tmp_path, nproc, flags):
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                        free_port(), "train.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
+    """Start `python [launcher] script.py args` where script.py patches train, then runs train.main()."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys, time; sys.path.insert(0, {ROOT!r}); import train, data, torch\n{body}\n"
+                      "train.main()\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"), **(env or {}))
+    return subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def wait_for_log_lines(path, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= n):
+        time.sleep(0.05)
+    assert path.exists() and len(path.read_text().splitlines()) >= n, f"{path}: fewer than {n} lines"
+
+
+def strict_json(line):
+    """json.loads that rejects NaN/Infinity (Python's accepts them; other JSON readers do not)."""
+    def refuse(c):
+        raise ValueError(f"not JSON: {c}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def sha256sum_check(folder):
+    """What the README has users run in a shard folder: `sha256sum -c SHA256SUMS` -> (exit status, its output)."""
+    r = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=folder, capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
+              "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
+
+
+def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
+    env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    cmd = ["sbatch", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
+    return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def need_slurm():
+    if shutil.which("sbatch") is None:
+        assert not STRICT, "CI must run the Slurm tests: start a cluster with `bash slurm/local_cluster.sh`"
+        pytest.skip("needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
+
+
+def blind_loss(shards, size=16):
+    """The flow loss of the best model that ignores its inputs: it predicts E[eps - x0] = -E[x0] everywhere and scores
+    1 + the data's per-pixel variance (1.16 on the shapes at 16 px). A run that learned anything lands below it."""
+    x0 = torch.cat([b["image"] for b in data.ShardStream(shards, 16, size)])
+    return 1 + x0.var(0).mean().item()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -200,18 +305,6 @@ def test_cfg_with_w_1_is_the_conditional_prediction_and_uses_one_batched_forward
 # -----------------------------------------------------------------------------------------------
 # data.py
 # -----------------------------------------------------------------------------------------------
-def write_shard(path, samples):
-    with wds.TarWriter(path) as w:
-        for s in samples:
-            w.write(s)
-
-
-def png(color=(200, 30, 30), size=16):
-    buf = io.BytesIO()
-    Image.new("RGB", (size, size), color).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def read_all(shards, size=16, batch_size=1, **kw):
     out = list(data.ShardStream(shards, batch_size, size, **kw))
     return out, (out[-1]["skipped"] if out else 0)
@@ -381,22 +474,6 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     swapped = loss(model, x0, text.roll(1, 0), mask.roll(1, 0), t, eps)  # each picture with the other caption
     null = loss(model, x0, *flow.null_caption(text, mask), t, eps)
     assert right < 0.8 * swapped and right < 0.97 * null, (right, swapped, null)  # (1.53x and 1.06x here)
-
-
-def crash_then_resume(monkeypatch, argv, crash_at):
-    """Run train.main(argv) until the step after `crash_at` dies, then run it again with --resume."""
-    real_step = train.train_step
-
-    def crash(S, *a):
-        if S.step == crash_at:
-            raise KeyboardInterrupt
-        return real_step(S, *a)
-
-    monkeypatch.setattr(train, "train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(argv)
-    monkeypatch.setattr(train, "train_step", real_step)
-    train.main(argv + ["--resume"])
 
 
 def test_resume_is_bit_identical(tmp_path, monkeypatch):
@@ -640,13 +717,6 @@ def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trai
 # -----------------------------------------------------------------------------------------------
 # moe.py
 # -----------------------------------------------------------------------------------------------
-def blind_loss(shards, size=16):
-    """The flow loss of the best model that ignores its inputs: it predicts E[eps - x0] = -E[x0] everywhere and scores
-    1 + the data's per-pixel variance (1.16 on the shapes at 16 px). A run that learned anything lands below it."""
-    x0 = torch.cat([b["image"] for b in data.ShardStream(shards, 16, size)])
-    return 1 + x0.var(0).mean().item()
-
-
 @pytest.mark.parametrize("case", ["one idle expert", "every token on the same two experts"])
 def test_sorted_and_grouped_dispatches_equal_loop_in_outputs_and_gradients(case):
     torch.manual_seed(0)
@@ -1014,13 +1084,6 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
 # -----------------------------------------------------------------------------------------------
 # distributed (CPU, gloo, 2 processes under torchrun)
 # -----------------------------------------------------------------------------------------------
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path, model):
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
@@ -1072,15 +1135,6 @@ def test_profile_compares_world_sizes_with_communication_share(tmp_path):
     two = json.load(open(tmp_path / "profile" / "compare_nproc.json"))["runs"]["2"][0]
     assert two["world"] == 2 and two["threads"] == 1
     assert 80 <= two["communication_ms"] < two["step_ms"] and two["communication_share"] > 0.4, two
-
-
-def torchrun(tmp_path, nproc, flags):
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                        free_port(), "train.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -1150,24 +1204,6 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
 # -----------------------------------------------------------------------------------------------
 # run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
 # -----------------------------------------------------------------------------------------------
-SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
-              "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
-
-
-def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
-    env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    cmd = ["sbatch", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
-    return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def need_slurm():
-    if shutil.which("sbatch") is None:
-        assert not STRICT, "CI must run the Slurm tests: start a cluster with `bash slurm/local_cluster.sh`"
-        pytest.skip("needs a Slurm cluster: `bash slurm/local_cluster.sh` starts one (CI does)")
-
-
 def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     need_slurm()
     r = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
@@ -1209,7 +1245,8 @@ def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_run
         assert ckpt["step"] == 100 and ckpt["data"] == a["data"]
         for name in a["model"]:
             assert torch.equal(a["model"][name], ckpt["model"][name]), (how, name)
-        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl") if '"resume"' in l]
+        resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl")
+                   if '"resume"' in l]
         assert len(resumed) == 1 and 5 <= resumed[0] < 100, how  # from the signal's checkpoint (--ckpt-every 1000)
         if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
             chain = ["run.slurm: USR1, passing it to the training step", "rank 0: caught SIGUSR1",
@@ -1265,12 +1302,6 @@ def stripes(w, h, colours):
         box = (i * w // n, 0, (i + 1) * w // n, h) if w > h else (0, i * h // n, w, (i + 1) * h // n)
         img.paste(c, box)
     return img
-
-
-def sha256sum_check(folder):
-    """What the README has users run in a shard folder: `sha256sum -c SHA256SUMS` -> (exit status, its output)."""
-    r = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=folder, capture_output=True, text=True)
-    return r.returncode, r.stdout + r.stderr
 
 
 def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
@@ -1663,13 +1694,6 @@ def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_
 # -----------------------------------------------------------------------------------------------
 # Faults a long run meets: each injected for real; the user sees a message and loses nothing
 # -----------------------------------------------------------------------------------------------
-def strict_json(line):
-    """json.loads that rejects NaN/Infinity (Python's accepts them; other JSON readers do not)."""
-    def refuse(c):
-        raise ValueError(f"not JSON: {c}")
-    return json.loads(line, parse_constant=refuse)
-
-
 def poison(monkeypatch, which):
     """A NaN pixel in the loader batches whose number (from 1) satisfies `which`: a real non-finite loss."""
     real, n = train.encode_batch, [0]
@@ -1682,23 +1706,6 @@ def poison(monkeypatch, which):
             x0[0, 0, 0, 0] = float("nan")
         return x0, text, mask
     monkeypatch.setattr(train, "encode_batch", encode)
-
-
-def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
-    """Start `python [launcher] script.py args` where script.py patches train, then runs train.main()."""
-    script = tmp_path / "script.py"
-    script.write_text(f"import sys, time; sys.path.insert(0, {ROOT!r}); import train, data, torch\n{body}\n"
-                      "train.main()\n")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"), **(env or {}))
-    return subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-
-
-def wait_for_log_lines(path, n, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= n):
-        time.sleep(0.05)
-    assert path.exists() and len(path.read_text().splitlines()) >= n, f"{path}: fewer than {n} lines"
 
 
 def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_path, monkeypatch):
