@@ -700,8 +700,8 @@ def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trai
     shutil.copytree(trained16, tmp_path / "run")
     run = tmp_path / "run"
     os.remove(run / "loss.png")
-    r = subprocess.run([sys.executable, "sample.py", "--plot", str(run)], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0 and Image.open(run / "loss.png").size[0] > 600, r.stderr
+    sample.main(["--plot", str(run)])
+    assert Image.open(run / "loss.png").size[0] > 600
     series = sample.plot_run(str(run))  # what it drew: each line's label, x and y, read back from the figure
     recs = [json.loads(l) for l in open(run / "log.jsonl") if '"loss"' in l]
     drawn = lambda name: [None if math.isnan(v) else v for v in series[name][1]]  # (a null is drawn as a gap)
@@ -956,9 +956,7 @@ def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
-    r = subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "a" / "ckpt.pt"), "--routing"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)  # the heatmaps, from the command line
-    assert r.returncode == 0, r.stderr[-3000:]
+    sample.main(["--ckpt", str(tmp_path / "a" / "ckpt.pt"), "--routing"])  # the heatmaps, as sample.py draws them
     for key in ("timestep", "colour", "shape", "position"):
         assert Image.open(tmp_path / "a" / f"routing_{key}.png").size[0] > 100
 
@@ -1673,7 +1671,7 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     assert s_speckled > 1.2 and sample.score_names(blurred, want, names, fid=False)["sharpness"] < 0.8
 
 
-def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_path, emoji_set):
+def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_path, emoji_set, capsys):
     out, run = emoji_set[0], str(tmp_path / "run")
     train.main(TINY + ["--data", out, "--image-size", "16", "--steps", "4", "--sample-every", "2", "--eval-n", "1",
                        "--out", run])
@@ -1683,11 +1681,21 @@ def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_
     final = next(r for r in log if "eval" in r)["eval"]
     assert {"top1", "top5", "ceiling_top1", "sharpness", "fid", "kid"} <= set(final)
     assert Image.open(os.path.join(run, "samples", "eval.png")).size == (8 * 16 * 3, 2 * 16 * 3)  # real above samples
-    r = subprocess.run([sys.executable, "sample.py", "--ckpt", os.path.join(run, "ckpt.pt"), "--eval", "--eval-n", "2",
-                        "--steps", "2", "--cfg", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    scores = json.loads(r.stdout.strip().splitlines()[-1])
-    assert scores["n"] == 16 and scores["cfg"] == 0 and scores["chance5"] == 5 / 8 and "retrieval top-1" in r.stdout
+    capsys.readouterr()
+    sample.main(["--ckpt", os.path.join(run, "ckpt.pt"), "--eval", "--eval-n", "2", "--steps", "2", "--cfg", "0"])
+    said = capsys.readouterr().out
+    scores = json.loads(said.strip().splitlines()[-1])
+    assert scores["n"] == 16 and scores["cfg"] == 0 and scores["chance5"] == 5 / 8 and "retrieval top-1" in said
+    # the wiring, by hand: every name twice in the held-out wording, drawn with the same noise, scored against the set
+    model, encoder, _ = sample.load(os.path.join(run, "ckpt.pt"))
+    names = data.names_set(out, 16)
+    want = torch.arange(8).repeat_interleave(2)
+    fake = data.as_uint8(sample.draw(model, encoder, None, [names["heldout"].format(name=names["names"][i])
+                                                            for i in want], 2, 0.0, 0, model.t_shift))
+    by_hand = sample.score_names(fake, want, names, fid=True)
+    assert all(math.isclose(scores[k], by_hand[k], rel_tol=1e-6) for k in ("top1", "top5", "sharpness", "fid"))
+    real = sample.score_names(names["real"][want], want, names, fid=True)  # the real pictures in place of samples
+    assert (real["top1"], real["fid"]) != (by_hand["top1"], by_hand["fid"]), real
     assert os.path.exists(os.path.join(run, "eval_2steps_cfg0.png"))
 
 
@@ -1856,7 +1864,7 @@ def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path)
     assert time.time() - t0 < 60
 
 
-def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path):
+def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkeypatch):
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--warmup", "2"]
     out = str(tmp_path / "run")
@@ -1873,6 +1881,31 @@ def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path):
     lr5 = next(r["lr"] for r in log if r.get("step") == 5 and "lr" in r)
     assert abs(lr5 - 1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6))) < 1e-12  # the new cosine, from step 4 on
     assert json.load(open(os.path.join(out, "args.json")))["steps"] == 4  # the original flags
+    # how it computes (--attn) may change without --override; --override data reads the new data (a new epoch)
+    other = tmp_path / "other"
+    other.mkdir()
+    write_shard(str(other / "s0.tar"), [{"__key__": f"{i}", "png": png(), "txt": "only this"} for i in range(32)])
+    seen, real = [], train.encode_batch
+    monkeypatch.setattr(train, "encode_batch", lambda S, b: seen.extend(b["caption"]) or real(S, b))
+    train.main(TINY + ["--data", str(other), "--image-size", "16", "--warmup", "2", "--steps", "10", "--lr", "1e-3",
+                       "--attn", "manual", "--override", "steps,data", "--out", out, "--resume"])
+    resume = [strict_json(l)["resume"] for l in open(os.path.join(out, "log.jsonl")) if '"resume"' in l][-1]
+    assert resume["step"] == 8 and set(resume["changed"]) == {"steps", "data"}
+    assert len(seen) == 2 * 16 and set(seen) == {"only this"}
+
+
+def test_a_fresh_run_in_a_used_folder_never_falls_back_to_the_other_runs_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    flags = TINY + ["--image-size", "16", "--ckpt-every", "1", "--out", out]
+    train.main(flags + ["--steps", "2"])  # an earlier run: ckpt.pt (step 2) and ckpt.prev.pt (step 1)
+    assert torch.load(os.path.join(out, "ckpt.prev.pt"), weights_only=True)["step"] == 1
+    train.main(flags + ["--steps", "1", "--lr", "1e-4"])  # a fresh run (no --resume) in that folder, saved once
+    assert not os.path.exists(os.path.join(out, "ckpt.prev.pt"))  # the other run's is never its fallback
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["lr"] == 1e-4
+    with open(os.path.join(out, "ckpt.pt"), "wb") as f:  # its only checkpoint damaged
+        f.write(b"\0" * 100)
+    with pytest.raises(SystemExit, match="no readable checkpoint"):
+        train.main(flags + ["--steps", "1", "--lr", "1e-4", "--auto-resume"])
 
 
 def test_resume_mid_epoch_does_not_decode_the_consumed_samples(tmp_path, monkeypatch):
