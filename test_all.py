@@ -418,7 +418,7 @@ def builtin16():
 @pytest.fixture(scope="module")
 def trained16(tmp_path_factory, builtin16):
     """The smallest run that learns the built-in shapes' colours and positions (16 px, width 64, patch 2, 300 steps
-    of 32, two grids, a final evaluation at 4 Euler steps; ~25 s), shared by the tests that need a trained model."""
+    of 32, two grids, a final evaluation at 4 Euler steps; ~16 s), shared by the tests that need a trained model."""
     out = str(tmp_path_factory.mktemp("trained16") / "run")
     train.main(TINY + ["--image-size", "16", "--width", "64", "--patch", "2", "--batch-size", "32", "--steps", "300",
                        "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n", "1", "--sample-steps",
