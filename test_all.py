@@ -1138,14 +1138,13 @@ def test_profile_compares_world_sizes_with_communication_share(tmp_path):
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
-    """One set of ZeRO-2 runs shared by the tests: 1 rank (batch 8); 2 ranks x batch 4 x 2 micro-batches ("a"), the
-    same under DDP, and the same again killed as step 3 begins (after the step-2 checkpoint), then resumed ("b")."""
+    """One set of ZeRO-2 runs shared by the tests: 2 ranks x batch 4 x 2 micro-batches ("a"), the same under DDP
+    (each rank holds one process's whole optimizer state), and the same again killed as step 3 begins (after the
+    step-2 checkpoint), then resumed ("b")."""
     tmp = tmp_path_factory.mktemp("zero2")
-    flags = TINY + ["--image-size", "16", "--steps", "4", "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
-                    "--workers", "1"]
-    two = flags + ["--batch-size", "4", "--grad-accum", "2"]  # ZeRO's gradient_accumulation_steps vs DDP's no_sync
-    said = dict(one=torchrun(tmp, 1, flags + ["--batch-size", "8", "--dist", "deepspeed", "--out", str(tmp / "one")]),
-                a=torchrun(tmp, 2, two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
+    two = TINY + ["--image-size", "16", "--steps", "4", "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
+                  "--workers", "1", "--batch-size", "4", "--grad-accum", "2"]  # ZeRO's accumulation vs DDP's no_sync
+    said = dict(a=torchrun(tmp, 2, two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
                 ddp=torchrun(tmp, 2, two + ["--dist", "ddp", "--out", str(tmp / "ddp")]))
     crash = tmp / "crash.py"
     crash.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import train\nreal = train.train_step\n"
@@ -1164,10 +1163,9 @@ def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(zero2):
     tmp, said, _ = zero2
     assert '"gradient_accumulation_steps": 2' in said["a"] and "parameters identical on all 2 ranks: True" in said["a"]
     per_rank = {k: json.loads(said[k].split("optimizer state bytes per rank: ")[1].splitlines()[0])
-                for k in ("one", "a", "ddp")}
-    for b in per_rank["a"]:
-        assert 0.50 <= b / per_rank["one"][0] <= 0.55, per_rank
-    assert per_rank["ddp"][0] > 1.8 * per_rank["a"][0]
+                for k in ("a", "ddp")}
+    for b in per_rank["a"]:  # a DDP rank holds the whole AdamW state, as one process does; a ZeRO-2 rank half of it
+        assert 0.49 <= b / per_rank["ddp"][0] <= 0.55, per_rank
     losses = [[json.loads(l)["loss"] for l in open(tmp / d / "log.jsonl") if '"loss"' in l] for d in ("a", "ddp")]
     assert len(losses[0]) == 4 and all(abs(a - b) < 1e-3 * max(1, abs(b)) for a, b in zip(*losses)), losses
     ckpt = torch.load(tmp / "a" / "ckpt.pt", weights_only=True)  # consolidated: sample.py can load it
