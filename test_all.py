@@ -1146,15 +1146,12 @@ def zero2(tmp_path_factory):
                   "--workers", "1", "--batch-size", "4", "--grad-accum", "2"]  # ZeRO's accumulation vs DDP's no_sync
     said = dict(a=torchrun(tmp, 2, two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
                 ddp=torchrun(tmp, 2, two + ["--dist", "ddp", "--out", str(tmp / "ddp")]))
-    crash = tmp / "crash.py"
-    crash.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import train\nreal = train.train_step\n"
-                     "def step(S, *a):\n    if S.step == 2: raise SystemExit(3)\n    return real(S, *a)\n"
-                     "train.train_step = step; train.main()\n")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
     b = two + ["--dist", "deepspeed", "--out", str(tmp / "b")]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), str(crash), *b], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    said["crash"] = (r.returncode, torch.load(tmp / "b" / "ckpt.pt", weights_only=True)["step"])
+    p = run_script(tmp, "real = train.train_step\ndef step(S, *a):\n    if S.step == 2: raise SystemExit(3)\n"
+                   "    return real(S, *a)\ntrain.train_step = step", b,
+                   launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()))
+    p.communicate(timeout=600)
+    said["crash"] = (p.returncode, torch.load(tmp / "b" / "ckpt.pt", weights_only=True)["step"])
     said["b"] = torchrun(tmp, 2, b + ["--resume"])
     return tmp, said, two
 
