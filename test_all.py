@@ -1754,10 +1754,11 @@ def test_too_many_bad_steps_in_a_row_stop_naming_the_last_good_checkpoint(tmp_pa
 
 
 def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank_and_each_rank_reads_its_own_data(tmp_path, builtin16):
-    body = ("real = train.encode_batch\nn = [0]\ndef enc(S, b):\n    x0, t, m = real(S, b)\n    n[0] += 1\n"
+    body = ("import json\nreal = train.encode_batch\nn = [0]\ndef enc(S, b):\n    x0, t, m = real(S, b)\n"
+            "    n[0] += 1\n"
             f"    open(f'{tmp_path}/captions{{S.rank}}.json', 'a').write(json.dumps(b['caption']) + '\\n')\n"
             "    if S.rank == 1 and n[0] == 3:\n        x0 = x0.clone(); x0[0, 0, 0, 0] = float('inf')\n"
-            "    return x0, t, m\ntrain.encode_batch = enc\nimport json")
+            "    return x0, t, m\ntrain.encode_batch = enc")
     flags = TINY + ["--image-size", "16", "--steps", "5", "--batch-size", "8", "--workers", "1", "--dist", "ddp",
                     "--out", str(tmp_path / "run")]
     p = run_script(tmp_path, body, flags, launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2",
