@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from moe import MoE, SwiGLU, count_active
+from moe import MoE, SwiGLU, count_params
 
 if sys.version_info < (3, 11):  # (hashlib.file_digest, warnings.catch_warnings(action=...), ...)
     raise SystemExit(f"this code needs Python 3.11 or newer; this is {sys.version.split()[0]}")
@@ -183,11 +183,6 @@ class DiT(nn.Module):
 def device():
     """Where everything runs: the (current) GPU if there is one, else the CPU. The one place it is picked."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def count_params(model):
-    """(total, active) parameter counts; active = what one image token uses (differs with --moe)."""
-    return sum(p.numel() for p in model.parameters()), count_active(model)
 
 
 # ---- Frozen encoders: what the model reads through (text encoder, VAE); never trained -------------------------------

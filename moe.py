@@ -23,12 +23,28 @@ per expert, one index_add back; `grouped` (CUDA default), the same rows in a fix
 padded to ALIGN rows, all experts' W13 then W2 as ONE grouped GEMM each (F.grouped_mm, torchtitan's design): its
 shapes depend on (T, k, E) only, so no host sync and no recompiles. Loop and sorted read counts on the host and run
 eagerly under torch.compile.
+
+Expert parallelism (`--ep N`, under torchrun): the ranks form groups of N, and rank j of a group holds experts
+[j E/N, (j+1) E/N) only (router, shared experts, attention and the text stream stay replicated). Per MoE layer:
+
+    route      locally, as above; the T*k assignments sorted by expert, hence by the rank that owns it
+    counts     c (E,): rows for each expert -> all_to_all -> the rows each rank will send to my experts
+    dispatch   all_to_all of the rows, split sizes = c summed per owning rank (uneven: no token dropped)
+    experts    the rows received, regrouped by local expert, through the sorted or the grouped dispatch
+    combine    all_to_all back (the same splits reversed), then y = sum_j w_j out_j + Shared(x) as above
+
+The backward of an all_to_all is the reverse all_to_all, so autograd sends every row's gradient home. An expert's
+gradient then sums the tokens of its whole group; it is summed over the world / N ranks that hold copies of it and
+divided by the world size: the mean that DDP takes of the replicated gradients. The balance loss counts f over all
+ranks, so routing does not depend on how the batch is split.
 """
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 ALIGN = 16  # grouped GEMM: rows per expert group padded to a multiple of this (16-byte aligned for bf16 and fp8)
+EXPERT_WEIGHTS = ("w13", "b13", "w2", "b2")  # every expert's tensors, stacked (E, ...): what --ep shards
 
 
 def dense_hidden(dim):
@@ -74,7 +90,8 @@ class MoE(nn.Module):
             nn.init.xavier_uniform_(self.w13.data[i].T)
             nn.init.xavier_uniform_(self.w2.data[i].T)
         nn.init.normal_(self.router.weight, std=0.02)
-        self.aux_loss, self.stats, self.balance = None, {}, balance
+        self.stats, self.balance = {}, balance
+        self.ep_group, self.ep_copies, self.ep_rank, self.ep_size = None, None, 0, 1  # --ep: see shard_experts
         if balance == "bias":  # DeepSeek-V3's loss-free balancing: a per-expert bias for the top-k choice only
             self.register_buffer("bias", torch.zeros(n_experts))  # (a buffer: saved, resumed, never a gradient)
 
@@ -83,7 +100,7 @@ class MoE(nn.Module):
         return self.w13[e], self.b13[e], self.w2[e], self.b2[e]
 
     def route(self, x):
-        """x (T, D) -> probabilities (T, E), top-k weights (T, k), expert ids (T, k); sets aux_loss."""
+        """x (T, D) -> probabilities (T, E), top-k weights (T, k), expert ids (T, k); keeps f, P for the loss."""
         probs = self.router(x).float().softmax(dim=-1)
         if self.balance == "bias":  # the bias picks the experts; the weights stay the unbiased probabilities
             idx = (probs + self.bias).topk(self.k, dim=-1).indices
@@ -91,10 +108,8 @@ class MoE(nn.Module):
         else:
             w, idx = probs.topk(self.k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        f = expert_counts(idx, self.E).float() / idx.numel()                # (E,) sums to 1
-        # Switch balance loss (--balance aux); the bias needs none
-        aux = self.alpha * self.E * (f * probs.mean(0)).sum()
-        self.aux_loss = aux if self.balance == "aux" else probs.new_zeros(())
+        self.counts, self.mean_prob = expert_counts(idx, self.E), probs.mean(0)  # (E,) each: the balance loss's f, P
+        f = self.counts.float() / idx.numel()                                   # (E,) sums to 1
         with torch.no_grad():  # for log.jsonl: load per expert, router entropy
             ent = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
             self.stats = dict(load=f.detach(), entropy=ent, idx=idx.detach())
@@ -104,7 +119,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D): every image token of every sample
         _, w, idx = self.route(x)
-        y = getattr(self, f"dispatch_{self.impl}")(x, w, idx)  # loop | sorted | grouped
+        y = getattr(self, f"dispatch_{'ep' if self.ep_group else self.impl}")(x, w, idx)  # loop|sorted|grouped|ep
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(shape)
@@ -129,38 +144,91 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)                  # assignments grouped by expert
         token = order // self.k                            # which token each sorted row came from
         xs = x.index_select(0, token)                      # (T*k, D) one gather (see dispatch_grouped)
-        counts = torch.bincount(flat, minlength=self.E).tolist()
-        out = torch.cat([expert(chunk, *self.weights(e))
-                         for e, chunk in enumerate(xs.split(counts)) if counts[e]])
+        out = self.experts_sorted(xs, torch.bincount(flat, minlength=self.E).tolist())
         out = out * w.flatten()[order, None]               # gate weights, in the same order
         return torch.zeros_like(x).index_add_(0, token, out)  # back to token order, summing the k
+
+    def experts_sorted(self, xs, counts):
+        """Rows sorted by expert (n, D), rows per expert (a list) -> each row through its expert (n, D)."""
+        out = [expert(chunk, *self.weights(e)) for e, chunk in enumerate(xs.split(counts)) if counts[e]]
+        return torch.cat(out) if out else xs * 0  # (no row: still part of the graph, see dispatch_ep)
 
     def dispatch_grouped(self, x, w, idx):
         """GPU: the sorted rows in a fixed-size buffer, each expert's group padded to ALIGN rows, then
         W13 and W2 of all experts as one grouped GEMM each. No host sync, no data-dependent shape."""
-        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        if x.is_cuda and dt != torch.bfloat16:  # CUDA's grouped GEMM is bf16-only: fp32 (e.g. sampling) goes sorted
+        if not self.grouped_ok(x):  # CUDA's grouped GEMM is bf16-only: fp32 (e.g. sampling) goes sorted
             return self.dispatch_sorted(x, w, idx)
-        E, n = self.E, idx.numel()
         flat = idx.flatten()                                # (T*k,)
         order = flat.argsort(stable=True)
-        token, e = order // self.k, flat[order]             # sorted rows: their token and expert
-        counts = expert_counts(idx, E)                      # (E,) on the device, never read by the host
-        padded = (counts + ALIGN - 1) // ALIGN * ALIGN      # group sizes rounded up
-        ends = padded.cumsum(0)                             # where each padded group ends
-        dest = ends[e] - padded[e] + torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[e]
-        rows = n + E * ALIGN                                # > any possible sum of padded groups: fixed
+        token = order // self.k                             # sorted rows: their token
         # index_select, not x[token]: its backward (index_add) sums repeated rows in a fixed order on a
         # CPU; the backward of x[...] adds them with parallel atomics there, which made runs differ
-        buf = x.new_zeros(rows, x.shape[1], dtype=dt).index_copy(0, dest, x.index_select(0, token).to(dt))
-        group = torch.searchsorted(ends, torch.arange(rows, device=x.device), right=True).clamp(max=E - 1)
-        used = (torch.arange(rows, device=x.device) < ends[-1])[:, None]  # rows past the last group: no output
+        out = self.experts_grouped(x.index_select(0, token), flat[order], expert_counts(idx, self.E))
+        out = out * w.flatten()[order, None]                # gate weights
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    def grouped_ok(self, x):
+        """The grouped GEMM runs in any dtype on a CPU, in bf16 (autocast) only on CUDA."""
+        return not x.is_cuda or torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+
+    def experts_grouped(self, xs, e, counts):
+        """Rows sorted by expert xs (n, D), their experts e (n,), rows per expert counts (E,) on the device -> each row
+        through its expert (n, D), as two grouped GEMMs over a buffer of fixed size."""
+        E, n = len(counts), len(e)                          # (E: the experts this rank holds)
+        dt = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
+        padded = (counts + ALIGN - 1) // ALIGN * ALIGN      # group sizes rounded up
+        ends = padded.cumsum(0)                             # where each padded group ends
+        dest = ends[e] - padded[e] + torch.arange(n, device=xs.device) - (counts.cumsum(0) - counts)[e]
+        rows = n + E * ALIGN                                # > any possible sum of padded groups: fixed
+        buf = xs.new_zeros(rows, xs.shape[1], dtype=dt).index_copy(0, dest, xs.to(dt))
+        group = torch.searchsorted(ends, torch.arange(rows, device=xs.device), right=True).clamp(max=E - 1)
+        used = (torch.arange(rows, device=xs.device) < ends[-1])[:, None]  # rows past the last group: no output
         mm = F.grouped_mm if dt == torch.bfloat16 else grouped_mm_eager
         h = mm(buf, self.w13.to(dt), offs=ends.int()) + self.b13.index_select(0, group).to(dt)  # (rows, 2H)
         a, b = torch.where(used, h, 0).chunk(2, dim=-1)
         out = mm(F.silu(a) * b, self.w2.to(dt), offs=ends.int()) + self.b2.index_select(0, group).to(dt)  # (rows, D)
-        out = out[dest].to(x.dtype) * w.flatten()[order, None]  # back to the sorted rows, gate weights
-        return torch.zeros_like(x).index_add_(0, token, out)
+        return out[dest].to(xs.dtype)                       # back to the sorted rows
+
+    @torch.compiler.disable  # the exchange's split sizes are read on the host
+    def dispatch_ep(self, x, w, idx):
+        """--ep: each assignment's row travels to the rank that holds its expert and back (see the docstring)."""
+        n, group = self.ep_size, self.ep_group
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)                   # by expert, so by owning rank: one slice per rank
+        token = order // self.k
+        counts = expert_counts(idx, self.E)                 # (E,) rows this rank sends to each expert
+        got = torch.empty_like(counts)                      # (N * E/N,) rows from each rank to each of my experts
+        dist.all_to_all_single(got, counts, group=group)
+        # the exchange's one host read per layer and forward: the split sizes, and the sorted dispatch's counts
+        sizes = torch.cat([counts.view(n, -1).sum(1), got.view(n, -1).sum(1), got.view(n, -1).sum(0)]).tolist()
+        send, recv, mine = sizes[:n], sizes[n:2 * n], sizes[2 * n:]
+        xs = AllToAll.apply(x.index_select(0, token), send, recv, group)  # (sum(recv), D) the rows for my experts
+        local = torch.arange(len(mine), device=x.device).repeat(n).repeat_interleave(got, output_size=sum(recv))
+        by = local.argsort(stable=True)                     # (local: each row's expert here) by rank -> by expert
+        if self.impl == "grouped" and self.grouped_ok(x):
+            ys = self.experts_grouped(xs.index_select(0, by), local[by], got.view(n, -1).sum(0))
+        else:
+            ys = self.experts_sorted(xs.index_select(0, by), mine)
+        # back in the order received, then home; a rank with no rows still joins both exchanges of the backward
+        out = AllToAll.apply(ys.index_select(0, by.argsort()), recv, send, group)  # (T*k, D) as sorted here
+        return torch.zeros_like(x).index_add_(0, token, out * w.flatten()[order, None])
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of x (n, D) to the ranks of `group`, send[j] of them to rank j, recv[j] from it -> (sum(recv), D). Its
+    backward is the same exchange reversed: each row's gradient goes back to the rank the row came from."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.sizes = send, recv, group
+        out = x.new_empty(sum(recv), x.shape[1])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, group = ctx.sizes
+        return AllToAll.apply(grad, recv, send, group), None, None, None
 
 
 # torch.compile's shape check of grouped_mm accepts only bf16 (its fast dtype): in fp32 (the CPU) the
@@ -179,17 +247,27 @@ def default_impl(device):
     return "grouped" if str(device).startswith("cuda") else "sorted"
 
 
-def balance_loss(model):
-    """Sum of the balance losses of every MoE layer in `model` (0 for a dense model)."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
-    return sum(losses) if losses else torch.zeros(())
+def balance_loss(model, world=False):
+    """Sum over the MoE layers of `model` of alpha E sum_i f_i P_i (--balance aux; 0 for a dense model). `world`:
+    f counts the tokens of all ranks (one all-reduce), so the mean over ranks, which DDP's gradient takes, is the
+    global batch's loss whatever its split (P is a mean over equal shares of the tokens)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.balance == "aux" and m.stats]
+    if not layers:
+        return torch.zeros(())
+    counts = torch.stack([m.counts for m in layers]).float()  # (layers, E)
+    if world:
+        dist.all_reduce(counts)
+    f = counts / counts.sum(-1, keepdim=True)
+    return sum(m.alpha * m.E * (f_m * m.mean_prob).sum() for m, f_m in zip(layers, f))
 
 
-def count_active(model):
-    """Parameters a single image token uses: total minus the (E - k) unused experts of each layer."""
-    total = sum(p.numel() for p in model.parameters())
-    idle = sum((m.E - m.k) * sum(w.numel() for w in m.weights(0)) for m in model.modules() if isinstance(m, MoE))
-    return total - idle
+def count_params(model):
+    """(total, active) parameters: every one (with --ep, the experts other ranks hold too), and those a single image
+    token uses: the total minus the (E - k) unused experts of each layer."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    one = lambda m: sum(w.numel() for w in m.weights(0))  # one expert
+    total = sum(p.numel() for p in model.parameters()) + sum((m.E - len(m.w13)) * one(m) for m in layers)
+    return total, total - sum((m.E - m.k) * one(m) for m in layers)
 
 
 @torch.no_grad()
@@ -237,4 +315,64 @@ def routing_stats(model):
             load = m.stats["load"].tolist()
             out.append(dict(load=[round(v, 4) for v in load], entropy=round(m.stats["entropy"].item(), 4),
                             unused=sum(v == 0 for v in load)))
+    return out
+
+
+# ---- Expert parallelism (--ep N): who holds which experts, their gradients, whole checkpoints ------------------------
+def shard_experts(models, n):
+    """Rank r keeps experts [j E/n, (j+1) E/n) of every MoE layer of each model (the model, its EMA), j = r mod n.
+    Ranks r - j ... r - j + n - 1 exchange tokens (ep_group); the world / n ranks of one j hold the same experts
+    (ep_copies). Call before the optimizer is built; every rank builds every group, in the same order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+    copies = [dist.new_group(list(range(j, world, n))) for j in range(n)] if world > n else [None] * n
+    j = rank % n
+    for m in [m for model in models for m in model.modules() if isinstance(m, MoE)]:
+        m.ep_group, m.ep_copies, m.ep_rank, m.ep_size = groups[rank // n], copies[j], j, n
+        for name in EXPERT_WEIGHTS:
+            whole = getattr(m, name)
+            setattr(m, name, nn.Parameter(whole.data.chunk(n)[j].clone(), requires_grad=whole.requires_grad))
+
+
+def sharded(model):
+    """The expert tensors --ep split over ranks (none without it): DDP leaves them to reduce_expert_grads."""
+    return [getattr(m, w) for m in model.modules() if isinstance(m, MoE) and m.ep_group for w in EXPERT_WEIGHTS]
+
+
+def reduce_expert_grads(model, world):
+    """After the backward: each held expert's gradient summed over the ranks holding copies, divided by `world`."""
+    for m in [m for m in model.modules() if isinstance(m, MoE) and m.ep_group]:
+        for p in [getattr(m, w) for w in EXPERT_WEIGHTS]:
+            if p.grad is None:  # no row reached this rank's experts: a zero gradient, as the whole stack would get
+                p.grad = torch.zeros_like(p)
+            if m.ep_copies:
+                dist.all_reduce(p.grad, group=m.ep_copies)
+            p.grad /= world
+
+
+def reshard(model, state, whole):
+    """A state_dict of `model` or of its optimizer (AdamW moments, by parameter index) -> a copy with every expert
+    (whole: all ranks of the group call it; rank order is expert order) or with this rank's share (not whole)."""
+    names, opt = [k for k, _ in model.named_parameters()], "param_groups" in state
+    state = {**state, "state": {i: dict(s) for i, s in state["state"].items()}} if opt else dict(state)
+    for prefix, m in [(k, m) for k, m in model.named_modules() if isinstance(m, MoE) and m.ep_group]:
+        for key in [f"{prefix}.{w}" for w in EXPERT_WEIGHTS]:
+            for d, k in [(state["state"][names.index(key)], k) for k in ("exp_avg", "exp_avg_sq")] if opt else [
+                    (state, key)]:
+                if whole:
+                    parts = [torch.empty_like(d[k]) for _ in range(m.ep_size)]
+                    dist.all_gather(parts, d[k].contiguous(), group=m.ep_group)
+                    d[k] = torch.cat(parts)
+                else:
+                    d[k] = d[k].chunk(m.ep_size)[m.ep_rank].clone()
+    return state
+
+
+def gathered(model, config):
+    """`model` with every expert, to sample with in one process: a new type(model)(**config) (no --ep) loaded with
+    the experts of all ranks (all call it); without --ep, `model` itself."""
+    if not sharded(model):
+        return model
+    out = type(model)(**config).to(next(model.parameters()).device)
+    out.load_state_dict(reshard(model, model.state_dict(), whole=True))
     return out

@@ -27,7 +27,8 @@ import data
 import flow
 import sample
 from model import DiT, TextEncoder, count_params, device, load_vae
-from moe import balance_loss, default_impl, nudge_biases, routing_loads, routing_stats, upcycle
+from moe import (balance_loss, default_impl, gathered, nudge_biases, reduce_expert_grads, reshard, routing_loads,
+                 routing_stats, shard_experts, sharded, upcycle)
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
@@ -56,6 +57,7 @@ def get_parser():
     a("--moe-impl", choices=["loop", "sorted", "grouped"], help="MoE dispatch (CPU default sorted, CUDA grouped)")
     a("--balance", default="aux", choices=["aux", "bias"], help="Switch's balance loss, or DeepSeek-V3's bias")
     a("--bias-rate", type=float, default=0.001, help="--balance bias: how far a step moves a bias (gamma)")
+    a("--ep", type=int, default=1, help="expert parallelism (torchrun): each rank holds --moe / this many experts")
     a("--upcycle", help="a dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
     a("--steps", type=int, default=1000, help="optimizer steps")
     a("--batch-size", type=int, default=64, help="images per micro-batch per rank")
@@ -97,6 +99,9 @@ def get_args(argv=None, parser=None):
         p.error(f"--width {args.width} must be a multiple of 4 and of --heads {args.heads} with an even head size")
     if args.moe and not 1 <= args.topk <= args.moe:
         p.error(f"--topk {args.topk} must be between 1 and --moe {args.moe}")
+    if args.ep > 1 and (args.dist != "ddp" or not args.moe or args.moe % args.ep or int(os.environ["WORLD_SIZE"])
+                        % args.ep):  # (DeepSpeed would need the experts in their own data-parallel group)
+        p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed) and --moe E, with E and the ranks multiples of it")
     if args.upcycle and not (args.moe and os.path.exists(args.upcycle)):
         p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
     if args.grad_accum < 1 or not 0 <= args.cfg_drop <= 1:
@@ -178,6 +183,8 @@ def setup(args, shape=None):
         if rank == 0:
             print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
     ema = copy.deepcopy(model).requires_grad_(False)
+    if args.ep > 1:  # each rank keeps --moe / --ep of the experts, so only their gradients and AdamW moments too
+        shard_experts([model, ema], args.ep)
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
@@ -201,6 +208,9 @@ def setup(args, shape=None):
             print("deepspeed config:", json.dumps(ds))
         engine = fwd = deepspeed.initialize(model=model, optimizer=opt, config=ds)[0]  # runs the model too
     elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
+        held = {id(p) for p in sharded(model)}  # --ep's experts: DDP leaves them to reduce_expert_grads
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            fwd, [name for name, p in fwd.named_parameters() if id(p) in held])
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
     return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, fwd=fwd, opt=opt, sched=sched,
@@ -236,7 +246,8 @@ def start(args):
               f"{args.text_encoder} (dim {run.encoder.dim}, frozen) | vae {args.vae} | {len(shards)} "
               f"{'precomputed ' if pre else ''}shards | device {run.dev} {args.precision}"
               + (f" | {run.world} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
-                 f"{args.batch_size} = global batch {batch}" if batch > args.batch_size else ""))
+                 f"{args.batch_size} = global batch {batch}" if batch > args.batch_size else "")
+              + (f" | each rank holds {args.moe // args.ep} of the {args.moe} experts per layer" if args.ep > 1 else ""))
     return run
 
 
@@ -261,7 +272,7 @@ def train_step(run, args, micro, mark=None):
         with run.fwd.no_sync() if quiet else contextlib.nullcontext():
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps_all[mine])
-                balance_i = balance_loss(run.model).to(loss_i.device)  # 0 for a dense model
+                balance_i = balance_loss(run.model, W > 1).to(loss_i.device)  # 0 for a dense model
             if loads is not None:  # (read now: --grad-ckpt's recomputation in the backward routes again)
                 loads = loads + routing_loads(run.model)
             mark("forward")
@@ -275,6 +286,7 @@ def train_step(run, args, micro, mark=None):
         loss, balance = loss + loss_i.detach() / N, balance + balance_i.detach() / N
         t.append(t_all[mine])
         per_sample.append(per_i.detach())
+    reduce_expert_grads(run.model, W)  # --ep: the experts' gradients, as DDP's mean would give them
     if run.engine is not None:
         grad_norm = torch.tensor(float(run.engine.get_global_grad_norm() or 0.0), device=dev)
     else:
@@ -334,10 +346,12 @@ def train_loop(args, run, signals):
             elif run.world == 1:  # (one process needs no all-reduce to know it was signalled)
                 stopped = bool(signals.caught)
             bar.update(1)
-            if run.rank == 0 and args.sample_every and run.step % args.sample_every == 0 and run.step < args.steps:
-                acc = sample_grid(run, args, os.path.join(args.out, "samples", f"step_{run.step:06d}.png"))
-                data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
-                sample.plot_run(args.out)  # loss.png: people read curves, not JSON
+            if args.sample_every and run.step % args.sample_every == 0 and run.step < args.steps:
+                acc = sample_grid(run, args, gathered(run.ema, run.config), f"step_{run.step:06d}.png")  # all ranks
+                if run.rank == 0:
+                    minutes = (time.time() - run.t_start) / 60
+                    data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=minutes))
+                    sample.plot_run(args.out)  # loss.png: people read curves, not JSON
             if run.step % args.ckpt_every == 0 or run.step == args.steps:
                 save_checkpoint(run, args)
             if run.step >= args.steps or stopped:  # before the next batch is fetched, so the saved
@@ -414,9 +428,12 @@ def save_checkpoint(run, args):
     positions = [dataclasses.asdict(run.position)] * run.world
     if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
         dist.all_gather_object(positions, positions[0])
+    # --ep: every rank sends its experts (and their AdamW moments) to rank 0, so ckpt.pt holds the whole model
+    model, ema = (reshard(run.model, m.state_dict(), whole=True) for m in (run.model, run.ema))
+    opt = None if tag else reshard(run.model, run.opt.state_dict(), whole=True)
     if run.rank != 0:
         return True
-    ckpt = dict(model=run.model.state_dict(), ema=run.ema.state_dict(), opt=None if tag else run.opt.state_dict(),
+    ckpt = dict(model=model, ema=ema, opt=opt,
                 deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
                 bad=run.bad.cpu(), data=positions)  # (DeepSpeed's optimizer state is in its tag folder)
@@ -478,7 +495,7 @@ def load_checkpoint(run, args):
         raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
                          f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
     for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
-        getattr(run, k).load_state_dict(ckpt[k])  # (LambdaLR's load leaves the optimizer's lr alone)
+        getattr(run, k).load_state_dict(ckpt[k] if k == "sched" else reshard(run.model, ckpt[k], whole=False))
     if tag is not None:  # weights, fp32 partition, AdamW moments (the lr is the schedule's)
         run.engine.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -496,14 +513,17 @@ def load_checkpoint(run, args):
     return name, changed
 
 
-def sample_grid(run, args, path):
-    """EMA samples of every held-out prompt (or name), fixed noise -> a PNG grid and its scores (None: no judge)."""
-    return sample.evaluate(run.ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
-                           args.t_shift, judge=run.judged)[0]
+def sample_grid(run, args, ema, name):
+    """Rank 0: samples of every held-out prompt (or name), fixed noise -> samples/<name> and its scores (None: no
+    judge). `ema`: the EMA weights, whole (with --ep every rank calls gathered() first)."""
+    path = os.path.join(args.out, "samples", name)
+    return sample.evaluate(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
+                           args.t_shift, judge=run.judged)[0] if run.rank == 0 else None
 
 
 def final_evaluation(args, run, signals):
     """Rank 0, after the last checkpoint: every held-out prompt or name --eval-n times, scored. -> exit status."""
+    ema = gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
     if run.rank != 0:
         return 0
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
@@ -512,12 +532,12 @@ def final_evaluation(args, run, signals):
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
     if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid
-        sample_grid(run, args, os.path.join(args.out, "samples", f"step_{run.step:06d}.png"))
+        sample_grid(run, args, ema, f"step_{run.step:06d}.png")
         if args.eval_n:
             print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
     else:  # every held-out prompt or name in wording never trained on, noise from --seed
         grid = os.path.join(args.out, "samples", "eval.png")
-        scores, fake, _ = sample.evaluate(run.ema, run.encoder, run.vae, run.names, grid, args.eval_n,
+        scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n,
                                           args.sample_steps, args.cfg, args.seed, args.t_shift, fid=True)
         data.append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
         sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
@@ -565,7 +585,8 @@ def end(run, code, error=None):
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:
-        flat = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+        held = {id(p) for p in sharded(run.model)}  # (--ep: each rank's own experts differ)
+        flat = torch.cat([p.detach().flatten() for p in run.model.parameters() if id(p) not in held])
         ref = flat.clone()
         dist.broadcast(ref, 0)
         per_rank = [None] * run.world  # (the same weights as rank 0?, optimizer state bytes: ZeRO-2 partitions them)
