@@ -90,7 +90,7 @@ class MoE(nn.Module):
             nn.init.xavier_uniform_(self.w13.data[i].T)
             nn.init.xavier_uniform_(self.w2.data[i].T)
         nn.init.normal_(self.router.weight, std=0.02)
-        self.stats, self.balance = {}, balance
+        self.stats, self.balance, self.loads = {}, balance, 0
         self.ep_group, self.ep_copies, self.ep_rank, self.ep_size = None, None, 0, 1  # --ep: see shard_experts
         if balance == "bias":  # DeepSeek-V3's loss-free balancing: a per-expert bias for the top-k choice only
             self.register_buffer("bias", torch.zeros(n_experts))  # (a buffer: saved, resumed, never a gradient)
@@ -250,15 +250,21 @@ def default_impl(device):
 def balance_loss(model, world=False):
     """Sum over the MoE layers of `model` of alpha E sum_i f_i P_i (--balance aux; 0 for a dense model). `world`:
     f counts the tokens of all ranks (one all-reduce), so the mean over ranks, which DDP's gradient takes, is the
-    global batch's loss whatever its split (P is a mean over equal shares of the tokens)."""
-    layers = [m for m in model.modules() if isinstance(m, MoE) and m.balance == "aux" and m.stats]
+    global batch's loss whatever its split (P is a mean over equal shares of the tokens). --balance bias: adds f to
+    the layer's `loads`, which nudge_biases spends (call it right after the forward: --grad-ckpt routes again)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.stats]
     if not layers:
         return torch.zeros(())
     counts = torch.stack([m.counts for m in layers]).float()  # (layers, E)
     if world:
         dist.all_reduce(counts)
-    f = counts / counts.sum(-1, keepdim=True)
-    return sum(m.alpha * m.E * (f_m * m.mean_prob).sum() for m, f_m in zip(layers, f))
+    aux = []
+    for m, f in zip(layers, counts / counts.sum(-1, keepdim=True)):
+        if m.balance == "bias":
+            m.loads = m.loads + f
+        else:
+            aux.append(m.alpha * m.E * (f * m.mean_prob).sum())
+    return sum(aux) if aux else torch.zeros(())
 
 
 def count_params(model):
@@ -292,19 +298,14 @@ def upcycle(model, dense_state):
     return len(copied)
 
 
-def nudge_biases(model, loads, rate, skip=None):
+def nudge_biases(model, rate, skip=None):
     """--balance bias, after a step: b_i += rate * sign(mean load - load_i) in every layer (DeepSeek-V3's gamma =
-    0.001); loads (layers, E) summed over micro-batches and ranks; no nudge where `skip` (a device bool) is set."""
-    layers = [m for m in model.modules() if isinstance(m, MoE) and m.balance == "bias"]
+    0.001), by its loads summed over micro-batches (and ranks); no nudge where `skip` (a device bool) is set."""
     with torch.no_grad():
-        for m, load in zip(layers, loads):
-            step = rate * torch.sign(load.mean() - load)
+        for m in [m for m in model.modules() if isinstance(m, MoE) and m.balance == "bias"]:
+            step = rate * torch.sign(m.loads.mean() - m.loads)
             m.bias.add_(step if skip is None else step * (~skip).float())
-
-
-def routing_loads(model):
-    """(layers, E): the last forward's share of assignments per expert, every MoE layer (device)."""
-    return torch.stack([m.stats["load"] for m in model.modules() if isinstance(m, MoE)])
+            m.loads = 0
 
 
 def routing_stats(model):
@@ -323,6 +324,8 @@ def shard_experts(models, n):
     """Rank r keeps experts [j E/n, (j+1) E/n) of every MoE layer of each model (the model, its EMA), j = r mod n.
     Ranks r - j ... r - j + n - 1 exchange tokens (ep_group); the world / n ranks of one j hold the same experts
     (ep_copies). Call before the optimizer is built; every rank builds every group, in the same order."""
+    if n == 1:
+        return
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
     copies = [dist.new_group(list(range(j, world, n))) for j in range(n)] if world > n else [None] * n
@@ -335,8 +338,10 @@ def shard_experts(models, n):
 
 
 def sharded(model):
-    """The expert tensors --ep split over ranks (none without it): DDP leaves them to reduce_expert_grads."""
-    return [getattr(m, w) for m in model.modules() if isinstance(m, MoE) and m.ep_group for w in EXPERT_WEIGHTS]
+    """Names of the expert tensors --ep split over ranks (none without it; `model` may be compiled or wrapped): DDP
+    leaves them to reduce_expert_grads. (A name ending in w13, b13, w2, b2 is an MoE's; SwiGLU's end in .weight.)"""
+    ep = any(isinstance(m, MoE) and m.ep_group for m in model.modules())
+    return [k for k, _ in model.named_parameters() if ep and k.rsplit(".", 1)[-1] in EXPERT_WEIGHTS]
 
 
 def reduce_expert_grads(model, world):
@@ -348,6 +353,20 @@ def reduce_expert_grads(model, world):
             if m.ep_copies:
                 dist.all_reduce(p.grad, group=m.ep_copies)
             p.grad /= world
+
+
+def clip_grad_norm_(model, max_norm):
+    """torch's clip_grad_norm_ over the whole model: with --ep the held experts' share of the squared norm is summed
+    over the group, so every rank finds the same norm and scales its gradients alike. -> the norm (NaN, inf pass)."""
+    held = set(sharded(model))
+    if not held:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    experts = torch.nn.utils.get_total_norm([g for k, g in grads.items() if k in held]) ** 2
+    dist.all_reduce(experts, group=next(m for m in model.modules() if isinstance(m, MoE)).ep_group)
+    norm = (torch.nn.utils.get_total_norm([g for k, g in grads.items() if k not in held]) ** 2 + experts).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
 
 
 def reshard(model, state, whole):

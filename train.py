@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import random
@@ -25,10 +24,9 @@ import torch.distributed as dist
 
 import data
 import flow
+import moe
 import sample
 from model import DiT, TextEncoder, count_params, device, load_vae
-from moe import (balance_loss, default_impl, gathered, nudge_biases, reduce_expert_grads, reshard, routing_loads,
-                 routing_stats, shard_experts, sharded, upcycle)
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
@@ -99,27 +97,22 @@ def get_args(argv=None, parser=None):
         p.error(f"--width {args.width} must be a multiple of 4 and of --heads {args.heads} with an even head size")
     if args.moe and not 1 <= args.topk <= args.moe:
         p.error(f"--topk {args.topk} must be between 1 and --moe {args.moe}")
-    if args.ep > 1 and (args.dist != "ddp" or not args.moe or args.moe % args.ep or int(os.environ["WORLD_SIZE"])
-                        % args.ep):  # (DeepSpeed would need the experts in their own data-parallel group)
-        p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed) and --moe E, with E and the ranks multiples of it")
     if args.upcycle and not (args.moe and os.path.exists(args.upcycle)):
         p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
     if args.grad_accum < 1 or not 0 <= args.cfg_drop <= 1:
         p.error("--grad-accum must be at least 1 and --cfg-drop in [0, 1]")
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ...")
-    if set(overrides(args)) - set(TRAJECTORY):
+    if args.ep > 1 and (args.dist != "ddp" or (args.moe or 1) % args.ep or int(os.environ["WORLD_SIZE"]) % args.ep):
+        p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed) and --moe E, with E and the ranks multiples of it")
+    args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
+    if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
     found = any(os.path.exists(os.path.join(args.out, f)) for f in (CKPT, PREV))
     args.resume = args.resume or (args.auto_resume and found)
     if args.resume and not found:
         p.error(f"--resume: no checkpoint at {args.out}/{CKPT}; drop --resume to start fresh")
     return args
-
-
-def overrides(args):
-    """--override steps,lr -> ["steps", "lr"] (flag names as attributes)."""
-    return [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
 
 
 # ---- Set-up: the run's state, built once, advanced by every step, saved by every checkpoint -------------------------
@@ -160,7 +153,7 @@ def setup(args, shape=None):
             torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
         dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     args.precision = args.precision or ("bf16" if dev == "cuda" else "fp32")
-    args.moe_impl = args.moe_impl or default_impl(dev)  # the GPU's grouped GEMM, the CPU's per-expert slices
+    args.moe_impl = args.moe_impl or moe.default_impl(dev)  # the GPU's grouped GEMM, the CPU's per-expert slices
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # (GPUs: TF32 matmuls)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -179,12 +172,11 @@ def setup(args, shape=None):
     model = DiT(**config).to(dev)
     model.grad_ckpt = args.grad_ckpt  # (how it computes, not what: not part of the config)
     if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
-        n = upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
+        n = moe.upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
         if rank == 0:
             print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
     ema = copy.deepcopy(model).requires_grad_(False)
-    if args.ep > 1:  # each rank keeps --moe / --ep of the experts, so only their gradients and AdamW moments too
-        shard_experts([model, ema], args.ep)
+    moe.shard_experts([model, ema], args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
@@ -204,13 +196,9 @@ def setup(args, shape=None):
         ds = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
-        if rank == 0:
-            print("deepspeed config:", json.dumps(ds))
         engine = fwd = deepspeed.initialize(model=model, optimizer=opt, config=ds)[0]  # runs the model too
     elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
-        held = {id(p) for p in sharded(model)}  # --ep's experts: DDP leaves them to reduce_expert_grads
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            fwd, [name for name, p in fwd.named_parameters() if id(p) in held])
+        fwd._ddp_params_and_buffers_to_ignore = moe.sharded(fwd)  # --ep's experts: see moe.reduce_expert_grads
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
                                                         find_unused_parameters=args.moe > 0)
     return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, fwd=fwd, opt=opt, sched=sched,
@@ -239,15 +227,14 @@ def start(args):
             data.append_json(run.log, dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         data.write_json(os.path.join(args.out, "args.json"), vars(args))
-    total, active = count_params(run.model)
-    batch = run.world * args.grad_accum * args.batch_size
+    (total, active), batch = count_params(run.model), run.world * args.grad_accum * args.batch_size
     if master:
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
               f"{args.text_encoder} (dim {run.encoder.dim}, frozen) | vae {args.vae} | {len(shards)} "
               f"{'precomputed ' if pre else ''}shards | device {run.dev} {args.precision}"
               + (f" | {run.world} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
                  f"{args.batch_size} = global batch {batch}" if batch > args.batch_size else "")
-              + (f" | each rank holds {args.moe // args.ep} of the {args.moe} experts per layer" if args.ep > 1 else ""))
+              + (f" | each rank holds {args.moe // args.ep} of {args.moe} experts per layer" if args.ep > 1 else ""))
     return run
 
 
@@ -264,7 +251,6 @@ def train_step(run, args, micro, mark=None):
     if run.engine is None:
         run.opt.zero_grad(set_to_none=True)
     loss, balance, t, per_sample = 0, 0, [], []
-    loads = 0 if args.moe and args.balance == "bias" else None  # (layers, E) summed over micro-batches
     for i, (x0, text, mask) in enumerate(micro):
         mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
         text, mask = flow.drop_captions(text, mask, keep[mine])
@@ -272,9 +258,7 @@ def train_step(run, args, micro, mark=None):
         with run.fwd.no_sync() if quiet else contextlib.nullcontext():
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps_all[mine])
-                balance_i = balance_loss(run.model, W > 1).to(loss_i.device)  # 0 for a dense model
-            if loads is not None:  # (read now: --grad-ckpt's recomputation in the backward routes again)
-                loads = loads + routing_loads(run.model)
+                balance_i = moe.balance_loss(run.model, W > 1).to(loss_i.device)  # (0 for a dense model)
             mark("forward")
             if run.engine is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
                 run.engine.backward(loss_i + balance_i)
@@ -286,20 +270,17 @@ def train_step(run, args, micro, mark=None):
         loss, balance = loss + loss_i.detach() / N, balance + balance_i.detach() / N
         t.append(t_all[mine])
         per_sample.append(per_i.detach())
-    reduce_expert_grads(run.model, W)  # --ep: the experts' gradients, as DDP's mean would give them
+    moe.reduce_expert_grads(run.model, W)  # --ep: the experts' gradients, as DDP's mean would give them
     if run.engine is not None:
         grad_norm = torch.tensor(float(run.engine.get_global_grad_norm() or 0.0), device=dev)
     else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)  # (NaN/inf pass through)
+        grad_norm = moe.clip_grad_norm_(run.model, 1.0)  # (NaN/inf pass through; --ep: the whole model's)
     # under DDP the gradients, hence their norm, are the same on every rank: every rank decides alike
     bad = ~torch.isfinite(loss + balance) | ~torch.isfinite(grad_norm)
     if run.engine is None:
         run.opt.found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
         run.opt.step()
-    if loads is not None:  # every rank nudges its biases by the loads of the whole global batch
-        if W > 1:
-            dist.all_reduce(loads)
-        nudge_biases(run.model, loads, args.bias_rate, skip=bad)
+    moe.nudge_biases(run.model, args.bias_rate, skip=bad)  # --balance bias: by the loads of the global batch
     run.sched.step()
     run.step += 1
     decay = min(args.ema, (1 + run.step) / (10 + run.step))  # short runs: let EMA catch up early
@@ -347,11 +328,7 @@ def train_loop(args, run, signals):
                 stopped = bool(signals.caught)
             bar.update(1)
             if args.sample_every and run.step % args.sample_every == 0 and run.step < args.steps:
-                acc = sample_grid(run, args, gathered(run.ema, run.config), f"step_{run.step:06d}.png")  # all ranks
-                if run.rank == 0:
-                    minutes = (time.time() - run.t_start) / 60
-                    data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=minutes))
-                    sample.plot_run(args.out)  # loss.png: people read curves, not JSON
+                sample_grid(run, args, moe.gathered(run.ema, run.config))  # (all ranks: --ep gathers the experts)
             if run.step % args.ckpt_every == 0 or run.step == args.steps:
                 save_checkpoint(run, args)
             if run.step >= args.steps or stopped:  # before the next batch is fetched, so the saved
@@ -362,6 +339,8 @@ def train_loop(args, run, signals):
         if signals.defer or run.world > 1:  # (defer set: it was a second signal)
             raise
         stopped = True  # one process, waiting for data: the last step is complete, so it checkpoints
+    finally:  # stop the loader's workers now: they ignore TERM, so at exit multiprocessing would wait for them forever
+        stream.close()
     bar.close()
     return stopped
 
@@ -409,7 +388,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
         if in_a_row:  # this step's update was skipped
             rec["bad_step"] = True
         if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-            rec.update(balance_loss=out["balance"].item(), routing=routing_stats(run.model))
+            rec.update(balance_loss=out["balance"].item(), routing=moe.routing_stats(run.model))
         data.append_json(run.log, rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
@@ -420,17 +399,16 @@ def log_step(run, args, out, signals, img_per_s, bar):
 
 
 def save_checkpoint(run, args):
-    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically, the one before kept as ckpt.prev.pt. -> False where
-    an OSError (disk full) stopped it: a warning, nothing half-written, the next save retries."""
+    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts), the
+    one before kept as ckpt.prev.pt. -> False if an OSError (disk full) stopped it: warned, nothing half-written."""
     tag = f"step{run.step:06d}" if run.engine is not None else None  # DeepSpeed: each rank's optimizer partition
     if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
         run.engine.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
     positions = [dataclasses.asdict(run.position)] * run.world
     if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
         dist.all_gather_object(positions, positions[0])
-    # --ep: every rank sends its experts (and their AdamW moments) to rank 0, so ckpt.pt holds the whole model
-    model, ema = (reshard(run.model, m.state_dict(), whole=True) for m in (run.model, run.ema))
-    opt = None if tag else reshard(run.model, run.opt.state_dict(), whole=True)
+    model, ema = (moe.reshard(run.model, m.state_dict(), whole=True) for m in (run.model, run.ema))
+    opt = None if tag else moe.reshard(run.model, run.opt.state_dict(), whole=True)
     if run.rank != 0:
         return True
     ckpt = dict(model=model, ema=ema, opt=opt,
@@ -480,7 +458,7 @@ def load_checkpoint(run, args):
     """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
     name, ckpt = read_checkpoint(args.out, run.dev, run.rank)
     changed = {k: (ckpt["args"][k], getattr(args, k)) for k in TRAJECTORY if ckpt["args"][k] != getattr(args, k)}
-    refused = {k: v for k, v in changed.items() if k not in overrides(args)}
+    refused = {k: v for k, v in changed.items() if k not in args.override}
     if refused:
         raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" + "".join(
             f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
@@ -495,7 +473,7 @@ def load_checkpoint(run, args):
         raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
                          f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
     for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
-        getattr(run, k).load_state_dict(ckpt[k] if k == "sched" else reshard(run.model, ckpt[k], whole=False))
+        getattr(run, k).load_state_dict(ckpt[k] if k == "sched" else moe.reshard(run.model, ckpt[k], whole=False))
     if tag is not None:  # weights, fp32 partition, AdamW moments (the lr is the schedule's)
         run.engine.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -513,17 +491,19 @@ def load_checkpoint(run, args):
     return name, changed
 
 
-def sample_grid(run, args, ema, name):
-    """Rank 0: samples of every held-out prompt (or name), fixed noise -> samples/<name> and its scores (None: no
-    judge). `ema`: the EMA weights, whole (with --ep every rank calls gathered() first)."""
-    path = os.path.join(args.out, "samples", name)
-    return sample.evaluate(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
-                           args.t_shift, judge=run.judged)[0] if run.rank == 0 else None
+def sample_grid(run, args, ema):
+    """Rank 0: the whole EMA draws each held-out prompt (or name) -> samples/step_N.png, its scores, loss.png."""
+    if run.rank == 0:
+        path = os.path.join(args.out, "samples", f"step_{run.step:06d}.png")
+        acc = sample.evaluate(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
+                              args.t_shift, judge=run.judged)[0]
+        data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
+        sample.plot_run(args.out)
 
 
 def final_evaluation(args, run, signals):
     """Rank 0, after the last checkpoint: every held-out prompt or name --eval-n times, scored. -> exit status."""
-    ema = gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
+    ema = moe.gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
     if run.rank != 0:
         return 0
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
@@ -532,7 +512,7 @@ def final_evaluation(args, run, signals):
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
     if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid
-        sample_grid(run, args, ema, f"step_{run.step:06d}.png")
+        sample_grid(run, args, ema)
         if args.eval_n:
             print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
     else:  # every held-out prompt or name in wording never trained on, noise from --seed
@@ -585,10 +565,9 @@ def end(run, code, error=None):
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:
-        held = {id(p) for p in sharded(run.model)}  # (--ep: each rank's own experts differ)
-        flat = torch.cat([p.detach().flatten() for p in run.model.parameters() if id(p) not in held])
-        ref = flat.clone()
-        dist.broadcast(ref, 0)
+        held = moe.sharded(run.model)  # (--ep: each rank's own experts differ)
+        flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters() if k not in held])
+        dist.broadcast(ref := flat.clone(), 0)  # (ref: rank 0's)
         per_rank = [None] * run.world  # (the same weights as rank 0?, optimizer state bytes: ZeRO-2 partitions them)
         dist.all_gather_object(per_rank, (torch.equal(flat, ref), optimizer_bytes(run.opt)))
         if run.rank == 0:
