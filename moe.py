@@ -375,7 +375,7 @@ def reshard(model, state, whole):
     names, opt = [k for k, _ in model.named_parameters()], "param_groups" in state
     state = {**state, "state": {i: dict(s) for i, s in state["state"].items()}} if opt else dict(state)
     for prefix, m in [(k, m) for k, m in model.named_modules() if isinstance(m, MoE) and m.ep_group]:
-        for key in [f"{prefix}.{w}" for w in EXPERT_WEIGHTS]:
+        for key in [f"{prefix}.{w}".lstrip(".") for w in EXPERT_WEIGHTS]:
             for d, k in [(state["state"][names.index(key)], k) for k in ("exp_avg", "exp_avg_sq")] if opt else [
                     (state, key)]:
                 if whole:

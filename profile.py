@@ -4,6 +4,7 @@
     python profile.py compute --moe 8 --trace        # + a torch.profiler Chrome trace
     python profile.py --compare moe=0,8 --markdown   # each setting in fresh processes, alternating: a ratio table
     python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
+    python profile.py --compare ep=1,2 --moe 8       # 2 ranks each: experts split, the all-to-all as its own phase
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
     python profile.py suite                          # every claim of the README on this device, one table each
 
@@ -37,6 +38,7 @@ else:  # run as a script, or imported under another name
     import time
 
     import torch
+    import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
     import data
@@ -45,7 +47,8 @@ else:  # run as a script, or imported under another name
     from moe import MoE
 
 PHASES = ("forward", "backward", "optimizer")
-CLAIMS = ("attn", "moe-impl", "moe", "compile", "compile-moe", "precision", "full-size", "loader")
+EXCHANGED = [0.0]  # seconds in all-to-alls since the last phase mark (--ep: moe.py's exchanges, a phase of their own)
+CLAIMS = ("attn", "moe-impl", "moe", "ep", "compile", "compile-moe", "precision", "full-size", "loader")
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
@@ -65,8 +68,8 @@ def get_args(argv=None):
     a("--warmup-iters", type=int, default=3, help="untimed steps first")
     a("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     a("--compare", help="FLAG=A,B[,C]: each setting of a train.py flag in fresh processes, then a ratio table; "
-      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,deepspeed: "
-      "2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
+      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,deepspeed, "
+      "ep=1,2: 2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
     a("--repeats", type=int, help="--compare: runs per setting, alternating (default 3; suite: 2 on a GPU, 1 on CPU)")
     a("--markdown", action="store_true", help="--compare: print the table as Markdown")
     a("--json", help="write the result JSON here (used by --compare)")
@@ -102,7 +105,10 @@ def run_steps(run, args, n, get_batch, times=None):
             if run.dev == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            step[phase] = step.get(phase, 0.0) + now - last[0]
+            exchanged, EXCHANGED[0] = EXCHANGED[0], 0.0
+            step[phase] = step.get(phase, 0.0) + now - last[0] - exchanged
+            if args.ep > 1:
+                step["all_to_all"] = step.get("all_to_all", 0.0) + exchanged
             last[0] = now
         micro = []
         for _ in range(args.grad_accum):
@@ -116,12 +122,28 @@ def run_steps(run, args, n, get_batch, times=None):
                 times.setdefault(phase, []).append(sec)
 
 
+def time_exchanges():
+    """Add the seconds of every dist.all_to_all_single (moe.py's --ep exchanges, both ways) to EXCHANGED."""
+    real, sync = dist.all_to_all_single, torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(*a, **k):
+        sync()  # (on a GPU the exchange is asynchronous: time it from an idle device to an idle device)
+        t0 = time.perf_counter()
+        work = real(*a, **k)
+        sync()
+        EXCHANGED[0] += time.perf_counter() - t0
+        return work
+    dist.all_to_all_single = timed
+
+
 def measure(args):
     """compute | full | dataloader -> result dict (also written as JSON under <out>/profile/)."""
 
 
     shape = [int(v) for v in args.synthetic.split(",")] if args.synthetic else None  # C, side, L, D_text
     run = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
+    if args.ep > 1:
+        time_exchanges()
     if shape:  # random latents and text states, as precomputed shards would give them (the encoders are skipped)
         g, (C, side, L, D_text), B = torch.Generator().manual_seed(args.seed), shape, args.batch_size
         batch = dict(latent=torch.randn(B, C, side, side, generator=g), text=torch.randn(B, L, D_text, generator=g),
@@ -155,6 +177,7 @@ def measure(args):
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
     res["flops_per_step"] = flops_per_step(run, args, batch)
     res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
+    res["param_mb"] = sum(p.numel() * p.element_size() for p in run.model.parameters()) / 2 ** 20  # (--ep: its share)
     if run.world > 1 and run.engine is None:  # DDP communication = what the all-reduce adds: the same steps without
         quiet = {}
         with run.fwd.no_sync():  # (replicas drift apart from here on; nothing is saved)
@@ -211,12 +234,13 @@ def compare(args, argv):
                 if flag == "grad-accum":  # the same global batch: accum x micro-batch = --batch-size
                     extra += ["--batch-size", str(args.batch_size // int(v))]
                 cmd, env = [sys.executable, me, *base, *extra, "--json", out], dict(os.environ)
-                if flag in ("nproc", "dist"):  # N processes x 1 thread each under torchrun (dist: 2 ranks)
+                if flag in ("nproc", "dist", "ep"):  # N processes x 1 thread each under torchrun (dist, ep: 2 ranks)
                     n, mode = (v, "ddp") if flag == "nproc" else ("1" if v == "none" else "2", v)
+                    n, mode, extra = ("2", "ddp", extra) if flag == "ep" else (n, mode, [])
                     env["OMP_NUM_THREADS"] = "1"
                     cmd = [sys.executable, me, *base, "--json", out] if n == "1" else [
                         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port",
-                        str(29500 + r), me, *base, "--dist", mode, "--json", out]
+                        str(29500 + r), me, *base, *extra, "--dist", mode, "--json", out]
                 print(f"[{r + 1}/{repeats}] --{flag} {v}", file=sys.stderr, flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:
@@ -285,21 +309,22 @@ def print_result(res, times):
 
 def ratio_table(args, flag, values, runs):
     """Medians per value -> (rows {value: {key: median}}, the table's lines; ratios to the first value)."""
-    phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
+    phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES + ("all_to_all",) * (flag == "ep")
     has_mfu, loader = runs[values[0]][0]["mfu"] is not None, args.mode == "dataloader"
-    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "opt_state_mb", "achieved_tflops"]
+    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "param_mb", "opt_state_mb",
+                                          "achieved_tflops"]
     keys += ["mfu"] * has_mfu + ["loader_img_per_s"] * loader
-    rows = {v: {k: statistics.median(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
-    ref = rows[values[0]]
-    head = ([f"--{flag}"] + [f"{k} ms" for k in phases] + ["step ms", "img/s", "peak MB", "optimizer state MB/rank",
-            "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader + [f"step ÷ {values[0]}",
-                                                                          f"mem ÷ {values[0]}"])
+    rows = {v: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys} for v, rs in runs.items()}  # (--ep 1:
+    ref = rows[values[0]]                                                                    # no all-to-all phase)
+    head = ([f"--{flag}"] + [f"{k} ms" for k in phases] + ["step ms", "img/s", "peak MB", "params MB/rank",
+            "optimizer state MB/rank", "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader +
+            [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
     lines = []
     for v, row in rows.items():
         lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
         lines.append([v] + [f"{row[k + '_ms']:.1f}" for k in phases] + [
             f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}",
-            f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
+            f"{row['param_mb']:.2f}", f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
             ([f"{100 * row['mfu']:.1f}%"] if has_mfu else []) + ([f"{row['loader_img_per_s']:.0f}"] if loader else []) +
             [f"{row['step_ms'] / ref['step_ms']:.2f}×", f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
     if args.markdown:
@@ -342,6 +367,8 @@ def claims(gpu):
         ("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
          base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
         ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),
+        ("ep", "Expert parallelism: 8 experts on each of 2 ranks, or 4 each (--ep 2)",
+         base + ["--moe", "8", "--compare", "ep=1,2"]),
         ("compile", "torch.compile, dense", base + ["--compare", "compile=off,on"]),
         ("compile-moe", "torch.compile, 8 experts (the device's default dispatch)",
          base + ["--moe", "8", "--compare", "compile=off,on"]),

@@ -73,6 +73,15 @@ def write_shard(path, samples):
             w.write(s)
 
 
+def identical_shards(folder, n_shards=4, per_shard=16):
+    """Shards whose samples are all one red square: runs over any number of ranks see the same batches."""
+    os.makedirs(folder)
+    for s in range(n_shards):
+        write_shard(os.path.join(folder, f"s{s}.tar"), [{"__key__": f"{s}-{i}", "png": png((200, 30, 30)),
+                                                         "txt": "a red square"} for i in range(per_shard)])
+    return str(folder)
+
+
 def png(color=(200, 30, 30), size=16):
     buf = io.BytesIO()
     Image.new("RGB", (size, size), color).save(buf, "PNG")
@@ -565,7 +574,8 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
                                        (["--patch", "3"], "use one of [1, 2, 4, 8, 16]"),
                                        (["--width", "30", "--heads", "4"], "multiple of 4"),
                                        (["--resume", "--out", "/nonexistent"], "drop --resume"),
-                                       (["--dist", "ddp"], "needs a launcher: torchrun")])
+                                       (["--dist", "ddp"], "needs a launcher: torchrun"),
+                                       (["--moe", "4", "--ep", "2"], "--ep 2 needs --dist ddp (not deepspeed)")])
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
@@ -1074,15 +1084,21 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
     assert f"## profile.py suite: CPU ({torch.get_num_threads()} threads)" in said
     assert f"torch {torch.__version__}, CUDA none, peak FLOP/s unknown: no MFU" in said
     sections = said.split("### ")[1:]
-    assert len(sections) == 9 and "failed" not in said  # two attention sizes + 7 claims
+    assert len(sections) == 10 and "failed" not in said  # two attention sizes + 8 claims
     for sec in sections:  # a command, then a table whose rows are the compared values, each with a time
         cmd = next(l for l in sec.splitlines() if l.startswith("`python profile.py"))
-        values = cmd.split("--compare ")[1].split()[0].split("=")[1].split(",")
-        rows = [l.split(" | ") for l in sec.splitlines() if l.startswith("| ") and not l.startswith("| --")]
-        assert [row[0][2:] for row in rows] == values, sec
-        assert all(float(row[4].split()[0]) > 0 for row in rows), sec
+        flag, values = cmd.split("--compare ")[1].split()[0].split("=")
+        head = next(l for l in sec.splitlines() if l.startswith("| --")).split(" | ")
+        rows = {l.split(" | ")[0][2:]: dict(zip(head, l.split(" | "))) for l in sec.splitlines()
+                if l.startswith("| ") and not l.startswith("| --")}
+        assert list(rows) == values.split(","), sec
+        assert all(float(row["step ms"].split()[0]) > 0 for row in rows.values()), sec
+        if flag == "ep":  # 2 ranks each: with --ep 2 the experts' rows travel (a phase of their own), half are held
+            assert float(rows["1"]["all_to_all ms"]) == 0 < float(rows["2"]["all_to_all ms"]), sec
+            for col in ("params MB/rank", "optimizer state MB/rank"):
+                assert float(rows["2"][col]) < float(rows["1"][col]), sec
     assert "moe-impl=loop,sorted,grouped" in said and "--synthetic 4,16,77,768" in said
-    assert open(tmp_path / "profile" / "suite.md").read().count("### ") == 9
+    assert open(tmp_path / "profile" / "suite.md").read().count("### ") == 10
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1093,11 +1109,7 @@ def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
     # times and caption drop are drawn for the global batch on every rank (each keeps its slices);
     # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
-    os.makedirs(tmp_path / "same")
-    for s in range(4):
-        write_shard(str(tmp_path / "same" / f"s{s}.tar"),
-                    [{"__key__": f"{s}-{i}", "png": png((200, 30, 30)), "txt": "a red square"} for i in range(16)])
-    flags = TINY + ["--data", str(tmp_path / "same"), "--image-size", "16", "--steps", "6", "--lr", "2e-3",
+    flags = TINY + ["--data", identical_shards(tmp_path / "same"), "--image-size", "16", "--steps", "6", "--lr", "2e-3",
                     "--warmup", "2", "--cfg-drop", "0.3"]
     if model == "moe":  # bias balancing: every rank nudges by the loads of the global batch, as one process does
         flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01"]
@@ -1117,6 +1129,109 @@ def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_
     logs = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("one", "two")]
     assert len(logs[0]) == len(logs[1]) == 6
     assert all(abs(a - b) < 1e-4 for a, b in zip(*logs))  # the logged loss is the global batch's
+
+
+def ep_layer_worker(rank, port):
+    """One of 2 gloo ranks: an --ep 2 MoE layer against the same layer in one process on the whole batch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    mine = slice(2 * rank, 2 * rank + 2)  # this rank's 2 of the batch's 4 samples
+    for impl in ("sorted", "grouped"):
+        for case in ("tokens everywhere", "rank 1's experts get no token"):
+            torch.manual_seed(0)
+            layer = moe.MoE(16, n_experts=4, topk=2, n_shared=1, hidden=8, impl=impl)
+            for p in (layer.w2, layer.b13, layer.b2):
+                torch.nn.init.normal_(p, std=0.1)
+            if case != "tokens everywhere":  # x > 0: experts 2 and 3 (rank 1's) never win
+                layer.router.weight.data[2:] = -5.0
+            x0, g = torch.rand(4, 9, 16) + 0.1, torch.randn(4, 9, 16)
+            one = copy.deepcopy(layer)  # the whole batch in one process: the mean over ranks of each rank's loss
+            x = x0.clone().requires_grad_(True)
+            (0.5 * (one(x) * g).sum() + moe.balance_loss(one)).backward()
+            full = sum(p.numel() for p in one.parameters())
+            moe.shard_experts([layer], 2)
+            expert = sum(w.numel() for w in one.weights(0))
+            assert sum(p.numel() for p in layer.parameters()) == full - 2 * expert  # 2 of the 4 experts here
+            assert moe.count_params(layer) == moe.count_params(one)  # (the whole model's counts)
+            whole = moe.reshard(layer, layer.state_dict(), whole=True)  # what a checkpoint holds
+            assert all(torch.equal(whole[k], v) for k, v in one.state_dict().items())
+            xr = x0[mine].clone().requires_grad_(True)
+            y = layer(xr)
+            ((y * g[mine]).sum() + moe.balance_loss(layer, world=True)).backward()
+            moe.reduce_expert_grads(layer, 2)  # (what train.py does after the backward)
+            assert torch.allclose(y, one(x0)[mine], atol=1e-6), (impl, case)
+            assert torch.allclose(xr.grad, 2 * x.grad[mine], atol=1e-6), (impl, case)  # (each rank's own loss)
+            for name, p in layer.named_parameters():
+                grad = p.grad.clone()
+                want = one.get_parameter(name).grad
+                if name in moe.sharded(layer):  # this rank's experts: already the whole batch's gradient
+                    want = want.chunk(2)[rank]
+                else:  # replicated: DDP's mean over ranks
+                    torch.distributed.all_reduce(grad)
+                    grad = grad / 2
+                assert torch.allclose(grad, want, atol=1e-6), (impl, case, name)
+            if case != "tokens everywhere":
+                assert rank == 0 or not layer.w13.grad.any()  # no row came: a zero gradient, the exchanges still ran
+    torch.distributed.destroy_process_group()
+
+
+def test_expert_parallel_layer_equals_the_whole_layer_in_one_process():
+    """2 ranks each hold 2 of 4 experts; rows travel by all-to-all both ways: the outputs, the input gradients and
+    every parameter's gradient are the one-process layer's, sorted and grouped, also where a rank gets no row."""
+    torch.multiprocessing.spawn(ep_layer_worker, args=(free_port(),), nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    """--moe 4 on identical samples, a global batch of 8 for 6 steps at an lr that makes the gradient clip bite:
+    one process; 2 ranks with --ep 2 (grids drawn mid-way and at the end); that run resumed from its step-3
+    checkpoint with --ep 2, and with --ep 1 and the grouped dispatch."""
+    tmp = tmp_path_factory.mktemp("ep")
+    flags = TINY + ["--data", identical_shards(tmp / "same"), "--image-size", "16", "--moe", "4", "--steps", "6",
+                    "--lr", "2e-2", "--warmup", "2", "--ckpt-every", "3", "--sample-every", "3", "--workers", "1"]
+    one = train.main(flags + ["--batch-size", "8", "--out", str(tmp / "one")])
+    said = dict(one=train.optimizer_bytes(one.opt))
+    two = flags + ["--batch-size", "4", "--dist", "ddp"]
+    said["ep2"] = torchrun(tmp, 2, two + ["--ep", "2", "--out", str(tmp / "ep2")])
+    for again, extra in (("again2", ["--ep", "2"]), ("again1", ["--ep", "1", "--moe-impl", "grouped"])):
+        os.makedirs(tmp / again)
+        shutil.copy(tmp / "ep2" / "ckpt.prev.pt", tmp / again / "ckpt.pt")  # (step 3)
+        said[again] = torchrun(tmp, 2, two + extra + ["--out", str(tmp / again), "--resume"])
+    return tmp, said
+
+
+def test_expert_parallel_training_matches_one_process_with_the_same_global_batch(ep_runs):
+    tmp, said = ep_runs
+    assert "each rank holds 2 of 4 experts per layer" in said["ep2"]
+    assert "parameters identical on all 2 ranks: True" in said["ep2"]  # the replicated ones: clipped alike
+    one, ep2 = (torch.load(tmp / d / "ckpt.pt", weights_only=True) for d in ("one", "ep2"))
+    for part in ("model", "ema"):  # the whole model, its experts gathered from both ranks
+        for name in one[part]:
+            assert torch.allclose(one[part][name], ep2[part][name], atol=2e-3), (part, name)
+    logs = [[r for r in map(json.loads, open(tmp / d / "log.jsonl")) if "loss" in r] for d in ("one", "ep2")]
+    assert len(logs[0]) == len(logs[1]) == 6
+    for a, b in zip(*logs):  # the global loss, balance loss and gradient norm of every step
+        for key in ("loss", "balance_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-4 * max(1.0, abs(a[key])), (key, a, b)
+    assert max(r["grad_norm"] for r in logs[0]) > 1.0  # the clip at 1.0 acted
+    # each rank holds the AdamW moments of 2 of the 4 experts: one process's state less half the experts' moments
+    one_expert = sum(one["model"][f"blocks.0.x.mlp.{w}"][0].numel() for w in moe.EXPERT_WEIGHTS)
+    elsewhere = 2 * 2 * one_expert * 2 * 4  # 2 layers x 2 experts x their 2 AdamW moments x 4 bytes (fp32)
+    per_rank = json.loads(said["ep2"].split("optimizer state bytes per rank: ")[1].splitlines()[0])
+    assert per_rank == [said["one"] - elsewhere] * 2, (per_rank, said["one"])
+    assert {f"step_00000{s}.png" for s in (3, 6)} <= set(os.listdir(tmp / "ep2" / "samples"))  # gathered, drawn
+
+
+def test_expert_parallel_resumes_exactly_and_under_another_ep(ep_runs):
+    tmp, _ = ep_runs
+    ep2, again2, again1 = (torch.load(tmp / d / "ckpt.pt", weights_only=True) for d in ("ep2", "again2", "again1"))
+    assert again2["step"] == again1["step"] == 6
+    for part in ("model", "ema"):
+        for name in ep2[part]:
+            assert torch.equal(ep2[part][name], again2[part][name]), (part, name)  # bit-exact under --ep 2
+            assert torch.allclose(ep2[part][name], again1[part][name], atol=2e-3), (part, name)  # --ep 1, grouped
+    for i, st in ep2["opt"]["state"].items():  # the moments too: whole in the checkpoint, re-split on resume
+        assert all(torch.equal(st[k], again2["opt"]["state"][i][k]) for k in st)
 
 
 def test_profile_compares_world_sizes_with_communication_share(tmp_path):
@@ -1163,7 +1278,7 @@ def zero2(tmp_path_factory):
 
 def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(zero2):
     tmp, said, _ = zero2
-    assert '"gradient_accumulation_steps": 2' in said["a"] and "parameters identical on all 2 ranks: True" in said["a"]
+    assert "parameters identical on all 2 ranks: True" in said["a"]  # (accumulation: the losses track DDP's below)
     per_rank = {k: json.loads(said[k].split("optimizer state bytes per rank: ")[1].splitlines()[0])
                 for k in ("a", "ddp")}
     for b in per_rank["a"]:  # a DDP rank holds the whole AdamW state, as one process does; a ZeRO-2 rank half of it
@@ -1740,7 +1855,8 @@ def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_
     assert checked == [4]  # the 4th batch: step 4, nothing changed
     recs = [strict_json(l) for l in open(out / "log.jsonl")]  # every line valid JSON
     bad = [r for r in recs if r.get("bad_step")]
-    assert len(bad) == 1 and bad[0]["loss"] is None and bad[0]["step"] == 4 and recs[-1]["bad_steps"] == 1
+    assert len(bad) == 1 and bad[0]["loss"] is None and bad[0]["step"] == 4
+    assert [r for r in recs if "loss" in r][-1]["bad_steps"] == 1
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 8 and ckpt["bad"].tolist() == [1, 0, 1]  # total, in a row now, longest run
     assert all(v.isfinite().all() for k in ("model", "ema") for v in ckpt[k].values())

@@ -376,10 +376,10 @@ def main(argv=None):
 # ==== What a first read may skip: logging, checkpoints, evaluation, stop signals, exits ==============================
 def log_step(run, args, out, signals, img_per_s, bar):
     """All ranks: the global loss and whether any was signalled (-> True: stop), the log line, a stop on bad steps."""
-    flags = torch.stack([out["loss"].float(), torch.full((), float(bool(signals.caught)), device=run.dev)])
+    flags = torch.stack([out["loss"], out["balance"], torch.full((), float(bool(signals.caught)), device=run.dev)])
     if run.world > 1:
-        dist.all_reduce(flags)  # sum: the global mean loss, any rank's signal
-    loss_sum, stop = flags.tolist()
+        dist.all_reduce(flags)  # sum: the global mean losses, any rank's signal
+    loss_sum, balance_sum, stop = flags.float().tolist()
     total, in_a_row, longest = (int(v) for v in run.bad.tolist())  # the same on every rank (see train_step)
     if run.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
         rec = dict(step=run.step, loss=loss_sum / run.world, loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
@@ -388,7 +388,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
         if in_a_row:  # this step's update was skipped
             rec["bad_step"] = True
         if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
-            rec.update(balance_loss=out["balance"].item(), routing=moe.routing_stats(run.model))
+            rec.update(balance_loss=balance_sum / run.world, routing=moe.routing_stats(run.model))
         data.append_json(run.log, rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
