@@ -24,19 +24,13 @@ padded to ALIGN rows, all experts' W13 then W2 as ONE grouped GEMM each (F.group
 shapes depend on (T, k, E) only, so no host sync and no recompiles. Loop and sorted read counts on the host and run
 eagerly under torch.compile.
 
-Expert parallelism (`--ep N`, under torchrun): the ranks form groups of N, and rank j of a group holds experts
-[j E/N, (j+1) E/N) only (router, shared experts, attention and the text stream stay replicated). Per MoE layer:
-
-    route      locally, as above; the T*k assignments sorted by expert, hence by the rank that owns it
-    counts     c (E,): rows for each expert -> all_to_all -> the rows each rank will send to my experts
-    dispatch   all_to_all of the rows, split sizes = c summed per owning rank (uneven: no token dropped)
-    experts    the rows received, regrouped by local expert, through the sorted or the grouped dispatch
-    combine    all_to_all back (the same splits reversed), then y = sum_j w_j out_j + Shared(x) as above
-
-The backward of an all_to_all is the reverse all_to_all, so autograd sends every row's gradient home. An expert's
-gradient then sums the tokens of its whole group; it is summed over the world / N ranks that hold copies of it and
-divided by the world size: the mean that DDP takes of the replicated gradients. The balance loss counts f over all
-ranks, so routing does not depend on how the batch is split.
+Expert parallelism (`--ep N`, torchrun): ranks form groups of N, and rank j of a group holds experts [j E/N, (j+1) E/N)
+only; the rest is replicated. Per layer: route locally; sort the T*k rows by expert, hence by owning rank; exchange
+the counts c (E,) by all_to_all; all_to_all the rows (split sizes: c summed per rank; uneven, no token dropped); run
+what arrived through the local experts (sorted or grouped); all_to_all it back (the splits reversed); combine as
+above. Autograd runs each all_to_all reversed, sending every row's gradient home. An expert's gradient, which sums
+its whole group's tokens, is summed over its world / N copies and divided by the world size: DDP's mean. The balance
+loss's f counts all ranks' tokens, so routing does not depend on how the batch is split.
 """
 import torch
 import torch.distributed as dist
