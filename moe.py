@@ -162,8 +162,9 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, out)
 
     def grouped_ok(self, x):
-        """The grouped GEMM runs in any dtype on a CPU, in bf16 (autocast) only on CUDA."""
-        return not x.is_cuda or torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        """The grouped GEMM runs in any dtype on a CPU, in bf16 only on CUDA."""
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        return not x.is_cuda or dt == torch.bfloat16
 
     def experts_grouped(self, xs, e, counts):
         """Rows sorted by expert xs (n, D), their experts e (n,), rows per expert counts (E,) on the device -> each row
