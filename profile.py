@@ -314,8 +314,9 @@ def ratio_table(args, flag, values, runs):
     keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "param_mb", "opt_state_mb",
                                           "achieved_tflops"]
     keys += ["mfu"] * has_mfu + ["loader_img_per_s"] * loader
-    rows = {v: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys} for v, rs in runs.items()}  # (--ep 1:
-    ref = rows[values[0]]                                                                    # no all-to-all phase)
+    # (r.get: a run with --ep 1 has no all_to_all phase)
+    rows = {v: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys} for v, rs in runs.items()}
+    ref = rows[values[0]]
     head = ([f"--{flag}"] + [f"{k} ms" for k in phases] + ["step ms", "img/s", "peak MB", "params MB/rank",
             "optimizer state MB/rank", "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader +
             [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
@@ -347,7 +348,7 @@ def ratio_table(args, flag, values, runs):
 
 def claims(gpu):
     """[(key, title, profile.py arguments)]: GPU sizes fill ~8 minutes of one H100-class GPU; CPU sizes
-    run the very same code tiny (~5 minutes on 2 cores)."""
+    run the very same code tiny (~5 minutes on 2 cores). `ep` runs 2 ranks: on a GPU only where there are 2."""
     if gpu:
         base = "--width 384 --depth 6 --heads 6 --patch 2 --image-size 32 --batch-size 64".split()
         attn = [("~1k", "--image-size 64 --batch-size 32"), ("~4k", "--image-size 128 --batch-size 8")]
@@ -367,15 +368,15 @@ def claims(gpu):
         ("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
          base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
         ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),
-        ("ep", "Expert parallelism: 8 experts on each of 2 ranks, or 4 each (--ep 2)",
-         base + ["--moe", "8", "--compare", "ep=1,2"]),
         ("compile", "torch.compile, dense", base + ["--compare", "compile=off,on"]),
         ("compile-moe", "torch.compile, 8 experts (the device's default dispatch)",
          base + ["--moe", "8", "--compare", "compile=off,on"]),
         ("precision", "fp32 vs bf16 autocast", base + ["--compare", "precision=fp32,bf16"]),
         ("full-size", full_title, full.split() + ["--compare", f"precision={precision}"]),
         ("loader", "Data loader vs the model (built-in shapes, one process)",
-         ["dataloader"] + base + ["--compare", f"workers={loader}"])]
+         ["dataloader"] + base + ["--compare", f"workers={loader}"])] + [
+        ("ep", "Expert parallelism: 8 experts on each of 2 ranks, or 4 each (--ep 2)",
+         base + ["--moe", "8", "--compare", "ep=1,2"])] * (not gpu or torch.cuda.device_count() > 1)  # (a GPU a rank)
 
 
 def suite(args):

@@ -1147,7 +1147,7 @@ def ep_layer_worker(rank, port, world=4):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     mine = slice(2 * rank, 2 * rank + 2)  # this rank's 2 of the batch's 2 x world samples
     for impl in ("sorted", "grouped"):
-        for case in ("tokens everywhere", "rank 1's experts get no token"):
+        for case in ("tokens everywhere", "the experts of ranks 1 and 3 get no row"):
             torch.manual_seed(0)
             layer = moe.MoE(16, n_experts=4, topk=2, n_shared=1, hidden=8, impl=impl)
             for p in (layer.w2, layer.b13, layer.b2):
