@@ -197,10 +197,10 @@ def setup(args, shape=None):
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
         engine = fwd = deepspeed.initialize(model=model, optimizer=opt, config=ds)[0]  # runs the model too
-    elif world > 1:  # compile first, then wrap; the balance loss leaves idle experts unused -> find them
+    elif world > 1:  # compile first, then wrap; DDP finds idle experts' unused parameters (--ep: it holds none)
         fwd._ddp_params_and_buffers_to_ignore = moe.sharded(fwd)  # --ep's experts: see moe.reduce_expert_grads
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
-                                                        find_unused_parameters=args.moe > 0)
+                                                        find_unused_parameters=args.moe > 0 and args.ep == 1)
     return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, fwd=fwd, opt=opt, sched=sched,
                gen=gen, encoder=encoder, vae=vae, engine=engine, bad=torch.zeros(3, device=dev))
 
