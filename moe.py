@@ -383,10 +383,13 @@ def reshard(model, state, whole):
 
 
 def gathered(model, config):
-    """`model` with every expert, to sample with in one process: a new type(model)(**config) (no --ep) loaded with
-    the experts of all ranks (all call it); without --ep, `model` itself."""
+    """`model` with every expert, to sample with in one process: all ranks send their experts, and rank 0 (which
+    samples) gets a new type(model)(**config) (no --ep) holding them; the others get None. Without --ep: `model`."""
     if not sharded(model):
         return model
+    state = reshard(model, model.state_dict(), whole=True)
+    if dist.get_rank() != 0:  # (no whole copy on the ranks that do not sample: --ep is there to save that memory)
+        return None
     out = type(model)(**config).to(next(model.parameters()).device)
-    out.load_state_dict(reshard(model, model.state_dict(), whole=True))
+    out.load_state_dict(state)
     return out
