@@ -6,18 +6,24 @@
 
   * built-in data a 2-core CPU learns in minutes *and* a program can grade: 3 shapes x 6 colours x 5 positions
     (24,000 images of 32 px in 16 shards, 6 caption templates; 2 more held out for evaluation), so "does the
-    picture show what its caption says?" is a number (sample.judge);
+    picture show what its caption says?" is a number (sample.judge); `builtin-mixed`: in 5 aspect ratios;
   * streaming by hand: shard shuffle -> this rank's and this loader worker's shards -> tar samples -> shuffle
-    buffer -> decode -> batches; a bad sample is skipped and counted. The order is a pure function of (seed,
-    epoch, rank, worker) and a Position records how far each worker got: that is what makes `--resume` exact;
+    buffer -> decode -> a pool per aspect-ratio bucket -> batches of one bucket; a bad sample is skipped and
+    counted. The order is a pure function of (seed, epoch, rank, worker), a batch's bucket of its number (the
+    same on every rank), and a Position records how far each worker got: that is what makes `--resume` exact;
   * any picture a user brings (transparent, palette, 16-bit, a phone photo stored sideways) becomes upright RGB
     the same way (`to_rgb`); precompute runs the frozen VAE and text encoder (model.py) once instead of per step.
 """
+import atexit
+import bisect
+import collections
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -43,16 +49,20 @@ TEMPLATES = ["a {color} {shape} in the {pos}", "{color} {shape}, {pos}",
              "one {color} {shape} located in the {pos}", "a {shape} that is {color}, in the {pos}"]
 HELDOUT_TEMPLATES = ["there is a {color} {shape} in the {pos} of the image", "{pos}: {color} {shape}"]
 BUILTIN = "builtin"  # the default --data; generated on first use into data/shapes<size>-v<VERSION>/
+MIXED = "builtin-mixed"  # the same scenes on canvases of every aspect ratio of `buckets` (data/shapes<size>-mixed-v...)
 VERSION = 2  # bump when the generator changes, so stale shards are never reused
 
 
 def render(color, shape, pos, size=32, rng=None):
-    """Draw one shape (4x supersampled, then box-filtered) -> PIL RGB image of size x size."""
-    rng, S = rng or random.Random(0), 4 * size
+    """Draw one shape (4x supersampled, then box-filtered) -> PIL RGB image of size x size, or (width, height): then
+    the scene is the square one around the centre (positions and sizes in units of the short side), widened."""
+    W, H = (size, size) if isinstance(size, int) else size
+    rng, S = rng or random.Random(0), 4 * min(W, H)
     grey = rng.randint(0, 60)
-    img = Image.new("RGB", (S, S), (grey, grey, grey))
+    img = Image.new("RGB", (4 * W, 4 * H), (grey, grey, grey))
     fx, fy = POSITIONS[pos]
-    cx, cy = (fx + rng.uniform(-0.03, 0.03)) * S, (fy + rng.uniform(-0.03, 0.03)) * S
+    ox, oy = (4 * W - S) / 2, (4 * H - S) / 2  # the central square's corner
+    cx, cy = ox + (fx + rng.uniform(-0.03, 0.03)) * S, oy + (fy + rng.uniform(-0.03, 0.03)) * S
     r = rng.uniform(0.19, 0.25) * S  # half extent: big enough that corners tell square from circle
     draw, box = ImageDraw.Draw(img), [cx - r, cy - r, cx + r, cy + r]
     if shape == "circle":
@@ -61,7 +71,7 @@ def render(color, shape, pos, size=32, rng=None):
         draw.rectangle(box, fill=COLORS[color])
     else:  # triangle, apex up
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[color])
-    return img.resize((size, size), Image.BOX)
+    return img.resize((W, H), Image.BOX)
 
 
 def random_caption(rng):
@@ -78,20 +88,24 @@ def heldout_prompts(n_each=1):
              dict(color=c, shape=s, position=p)) for k in range(n_each) for i, (c, s, p) in enumerate(combos)]
 
 
-def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
-    """Write the built-in dataset as WebDataset shards {__key__, png, txt, json} (idempotent)."""
+def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0, mixed=False):
+    """Write the built-in dataset as WebDataset shards {__key__, png, txt, json} (idempotent); `mixed`: each picture
+    on a canvas of a random bucket (patch 4), counted per bucket in manifest.json as the converter does."""
     if os.path.exists(os.path.join(root, "DONE")):
         return tars(root)
     from tqdm import tqdm
-    tmp = f"{root}.tmp{os.getpid()}"
+    tmp, counts = f"{root}.tmp{os.getpid()}", collections.Counter()
     os.makedirs(tmp, exist_ok=True)
     for shard in tqdm(range(n_shards), desc=f"generating built-in data -> {root}", unit="shard"):
         rng = random.Random(f"{seed}-{size}-{shard}")  # each shard reproducible on its own
         with wds.TarWriter(os.path.join(tmp, f"shapes-{shard:04d}.tar"), mtime=0) as sink:
             for i in range(per_shard):
                 text, a = random_caption(rng)
-                png = encoded(render(a["color"], a["shape"], a["position"], size, rng), "PNG")
+                wh = rng.choice(buckets(size, 4)) if mixed else (size, size)
+                png = encoded(render(a["color"], a["shape"], a["position"], wh, rng), "PNG")
                 sink.write({"__key__": f"{shard:04d}{i:06d}", "png": png, "txt": text, "json": a})
+                counts["%dx%d" % wh] += mixed
+    write_json(os.path.join(tmp, "manifest.json"), dict(buckets=+counts))  # (as the converter counts them)
     open(os.path.join(tmp, "DONE"), "w").close()
     try:
         os.replace(tmp, root)  # atomic: a half-written dataset is never seen as done
@@ -99,7 +113,7 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0):
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(os.path.join(root, "DONE")):
             raise SystemExit(f"{root} exists but is not a finished built-in dataset: remove it and rerun")
-    return make_builtin(root, size, n_shards, per_shard, seed)
+    return make_builtin(root, size, n_shards, per_shard, seed, mixed)
 
 
 # ---- Images <-> tensors ---------------------------------------------------------------------------------------------
@@ -132,34 +146,45 @@ def to_rgb(img):
 
 
 def cover_crop(img, size):
-    """to_rgb, cover-resize (bicubic, antialiased) the short side to `size`, centre-crop: the same crop everywhere."""
-    img = to_rgb(img)
-    if img.size != (size, size):
-        s = size / min(img.size)
-        img = img.resize((max(size, round(img.width * s)), max(size, round(img.height * s))), Image.BICUBIC)
-        l, t = (img.width - size) // 2, (img.height - size) // 2
-        img = img.crop((l, t, l + size, t + size))
+    """to_rgb, cover-resize (bicubic, antialiased) to fill `size` (a side, or (width, height)), centre-crop: the same
+    crop everywhere."""
+    img, (w, h) = to_rgb(img), (size, size) if isinstance(size, int) else size
+    if img.size != (w, h):
+        s = max(w / img.width, h / img.height)
+        img = img.resize((max(w, round(img.width * s)), max(h, round(img.height * s))), Image.BICUBIC)
+        l, t = (img.width - w) // 2, (img.height - h) // 2
+        img = img.crop((l, t, l + w, t + h))
     return img
 
 
 def to_tensor(img, size):
-    """PIL image -> (3, size, size) float in [-1, 1] (other sizes go through cover_crop)."""
+    """PIL image -> (3, H, W) float in [-1, 1] of `size` (a side, or (W, H)); other sizes go through cover_crop."""
     return torch.from_numpy(np.asarray(cover_crop(img, size)).copy()).permute(2, 0, 1).float() / 127.5 - 1
 
 
-def as_uint8(x):
-    """Images in [-1, 1], (N, 3, H, W) or (3, H, W) -> uint8: what PNGs and every feature network here take."""
-    return ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+# ---- Aspect-ratio buckets: pictures of several shapes, one shape per batch (SDXL, PixArt) ----------------------------
+RATIOS = (1 / 2, 2 / 3, 1, 3 / 2, 2)  # width / height: portrait 1:2 ... landscape 2:1 (photos' 2:3, 3:2)
 
 
-def to_pil(x):
-    """(3, H, W) tensor, uint8 or in [-1, 1] -> PIL image."""
-    return Image.fromarray((x if x.dtype == torch.uint8 else as_uint8(x)).permute(1, 2, 0).cpu().numpy())
+def buckets(size, multiple, ratios=RATIOS):
+    """(width, height) of about size^2 pixels per aspect ratio r: w = size sqrt(r), h = size / sqrt(r), each rounded
+    to a multiple of `multiple` (the patch, times the VAE's factor). At 32 px, 4: 24x44 28x40 32x32 40x28 44x24."""
+    return [tuple(multiple * max(1, round(size * r ** e / multiple)) for e in (0.5, -0.5)) for r in ratios]
 
 
-def stack_uint8(images, size):
-    """PIL images -> uint8 (N, 3, size, size), each cropped by to_tensor as a training image is."""
-    return as_uint8(torch.stack([to_tensor(im, size) for im in images]))
+def nearest(sizes, w, h):
+    """The (width, height) of `sizes` whose aspect ratio is closest to w / h's, in log scale (1:2 as far as 2:1)."""
+    return min(sizes, key=lambda b: abs(math.log(b[0] * h / (b[1] * w))))
+
+
+def bucket_shares(shards, size, multiple):
+    """Bucketed data (manifest.json's per-bucket counts: `data.py shards --buckets`, builtin-mixed) -> {(W, H) of
+    buckets(size, multiple): samples, each counted at its nearest aspect ratio}; None for square data."""
+    counts = (read_json(os.path.join(os.path.dirname(shards[0]), "manifest.json")) or {}).get("buckets") or {}
+    shares = collections.Counter()
+    for k, n in counts.items():
+        shares[nearest(buckets(size, multiple), *map(int, k.split("x")))] += n
+    return dict(sorted(shares.items())) or None
 
 
 # ---- WebDataset streaming: shards -> (rank, worker) split -> samples -> shuffle buffer -> batches -------------------
@@ -170,12 +195,13 @@ def tars(folder):
 
 def resolve_shards(data, image_size):
     """--data value -> sorted list of .tar paths (the built-in set is generated if missing)."""
-    if data == BUILTIN:
-        return make_builtin(os.path.join("data", f"shapes{image_size}-v{VERSION}"), size=image_size)
+    if data in (BUILTIN, MIXED):
+        name = f"shapes{image_size}{'-mixed' if data == MIXED else ''}-v{VERSION}"
+        return make_builtin(os.path.join("data", name), size=image_size, mixed=data == MIXED)
     paths = tars(data) if os.path.isdir(data) else sorted(p for p in data.split(",") if p)
     if not paths or not all(os.path.exists(p) for p in paths):
         raise SystemExit(f"--data {data!r}: no .tar shards found; pass a folder of shards, "
-                         f"comma-separated .tar paths, or '{BUILTIN}'")
+                         f"comma-separated .tar paths, '{BUILTIN}' or '{MIXED}'")
     return paths
 
 
@@ -194,19 +220,22 @@ def read_tars(urls, handler=wds.reraise_exception):
     return wds.tarfile_samples(({"url": u} for u in urls), handler=handler)
 
 
-def decode(s, size):
-    """Tar sample -> raw {image (3, size, size), caption} or precomputed {latent, text, mask}; None, with a
-    warning, for a bad one (undecodable image, no caption): it is skipped, never a crash."""
+def decode(s, sizes):
+    """Tar sample -> raw {image (3, H, W), caption, bucket}, bucket = (W, H) the `sizes` entry nearest its aspect ratio,
+    or precomputed {latent, text, mask} (square: sizes[0]); None, with a warning, for a bad one (undecodable image, no
+    caption): it is skipped, never a crash."""
     try:
         if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
             arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
             if arr["text"].shape[0] != arr["mask"].shape[0]:
                 raise ValueError("text.npy and mask.npy disagree in length")
-            return arr
+            return dict(arr, bucket=sizes[0])
         key = next((k for k in ("png", "jpg", "jpeg", "webp") if k in s), None)
         if key is None or "txt" not in s:
             raise ValueError(f"no {'image (png/jpg/jpeg/webp)' if key is None else 'caption (txt)'} in sample")
-        return dict(image=to_tensor(open_image(s[key]), size), caption=s["txt"].decode("utf-8"))
+        img = to_rgb(open_image(s[key]))
+        bucket = nearest(sizes, *img.size)
+        return dict(image=to_tensor(img, bucket), caption=s["txt"].decode("utf-8"), bucket=bucket)
     except Exception as e:
         warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
 
@@ -235,37 +264,49 @@ def collate(items):
 
 class ShardStream(torch.utils.data.IterableDataset):
     """One epoch of one rank's batches: collate()'s dicts, each with where its loader worker stands (`worker`, `batches`
-    so far, `raw` tar samples read, bad ones included, `skipped`); `resume` = {worker: those three}: see pass_over."""
+    so far, `raw` tar samples read, bad ones included, `skipped`, `pooled`: which raw samples wait in a bucket's pool);
+    `resume` = {worker: those four}: see pass_over. `size`: a side (square pictures) or {(W, H): share of the data}
+    (buckets); `first`: how many batches this rank took in the epochs before (a batch's bucket follows its number)."""
 
-    def __init__(self, shards, batch_size, image_size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None):
+    def __init__(self, shards, batch_size, size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None, first=0):
         super().__init__()
-        self.shards, self.B, self.size = list(shards), batch_size, image_size
+        shares = {(size, size): 1} if isinstance(size, int) else size  # (W, H) -> samples
+        self.sizes, self.cum, self.first = list(shares), list(itertools.accumulate(shares.values())), first
+        self.shards, self.B = list(shards), batch_size
         self.seed, self.epoch, self.rank, self.world, self.buffer = seed, epoch, rank, world, buffer
         self.resume = resume or {}
 
+    def bucket(self, n):
+        """The bucket of this rank's n-th batch: the same on every rank (so DDP's ranks step in one shape), a golden-
+        ratio sequence u_n = frac(u_0 + n / phi) over the buckets' shares, so any run of batches keeps those shares."""
+        u = (random.Random(f"buckets-{self.seed}").random() + n * 0.6180339887498949) % 1
+        return self.sizes[min(bisect.bisect(self.cum, u * self.cum[-1]), len(self.sizes) - 1)]
+
     def __iter__(self):
-        """This worker's shards -> tar samples -> shuffle buffer -> decode (bad ones skipped) -> batches of B."""
+        """This worker's shards -> tar samples -> shuffle buffer -> decode (bad ones skipped) -> a pool per bucket ->
+        batches of B, each from the pool of the bucket its number is given (one pool, one bucket: plain batching)."""
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         mine = worker_shards(self.shards, self.seed, self.epoch, self.rank, self.world, wid, nw)
         rng = random.Random(f"samples-{self.seed}-{self.epoch}-{self.rank}-{wid}")
-        self.skipped = 0
+        self.skipped, pools = 0, {b: [] for b in self.sizes}  # bucket -> [(raw sample number, sample)]
         stream = shuffled(read_tars(mine, handler=self.unreadable), self.buffer, rng)
-        done = self.resume.get(wid, dict(batches=0, raw=0, skipped=0))
-        yield from self.pass_over(stream, done, wid)
-        raw, self.skipped, items = done["raw"], done["skipped"], []  # (what pass_over met was counted before)
+        done = self.resume.get(wid, dict(batches=0, raw=0, skipped=0, pooled=[]))
+        yield from self.pass_over(stream, done, wid, pools)
+        raw, self.skipped, k = done["raw"], done["skipped"], done["batches"]  # (pass_over's were counted before)
         for s in stream:
             raw += 1
-            item = decode(s, self.size)
+            item = decode(s, self.sizes)
             if item is None:
                 self.skipped += 1
                 continue
-            items.append(item)
-            if len(items) == self.B:
-                done = dict(batches=done["batches"] + 1, raw=raw, skipped=self.skipped)
-                yield dict(collate(items), worker=wid, **done)
-                items = []
-        # the final partial batch is dropped so every step sees the same batch size
+            pools[item["bucket"]].append((raw, item))
+            while len(pools[want := self.bucket(self.first + k * nw + wid)]) >= self.B:  # worker's k-th: batch n
+                items, pools[want], k = pools[want][:self.B], pools[want][self.B:], k + 1
+                pooled = sorted(i for pool in pools.values() for i, _ in pool)
+                yield dict(collate([x for _, x in items]), worker=wid, batches=k, raw=raw, skipped=self.skipped,
+                           pooled=pooled)
+        # what is left in the pools is dropped (an epoch ends at the first bucket that runs dry): full batches only
 
     def unreadable(self, exn):
         """read_tars' handler: a truncated or corrupt tar is warned about and counted; the next shard is read."""
@@ -273,18 +314,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         warnings.warn(f"skipping unreadable shard data: {exn!r}")
         return True
 
-    def pass_over(self, stream, done, wid):
-        """Resume: read the worker's `raw` consumed samples *without decoding them*, then yield `batches`
-        placeholders, so the DataLoader interleaves the workers exactly as before, at the cost of a tar read."""
-        for _ in zip(range(done["raw"]), stream):
-            pass
+    def pass_over(self, stream, done, wid, pools):
+        """Resume: read the worker's `raw` consumed samples again, decoding only the `pooled` ones (read, not yet
+        batched) back into their pools, then yield `batches` placeholders, so the DataLoader interleaves the workers
+        exactly as before, at the cost of a tar read."""
+        pooled = set(done["pooled"])
+        for i, s in zip(range(1, done["raw"] + 1), stream):
+            if i in pooled:
+                item = decode(s, self.sizes)
+                pools[item["bucket"]].append((i, item))
         for _ in range(done["batches"]):
             yield dict(consumed=True, worker=wid)
 
 
-def make_loader(shards, batch_size, image_size, seed, epoch, rank=0, world=1, workers=1, resume=None):
-    """DataLoader over one epoch; batching happens in the stream, so batch_size=None here."""
-    ds = ShardStream(shards, batch_size, image_size, seed, epoch, rank, world, resume=resume)
+def make_loader(shards, batch_size, size, seed, epoch, rank=0, world=1, workers=1, resume=None, first=0):
+    """DataLoader over one epoch (`size`: see ShardStream); batching happens in the stream, so batch_size=None here."""
+    ds = ShardStream(shards, batch_size, size, seed, epoch, rank, world, resume=resume, first=first)
     # an explicit generator keeps DataLoader from drawing its base seed from the global RNG
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=leave_stops_to_rank,
                                        generator=torch.Generator().manual_seed(seed))
@@ -296,33 +341,46 @@ def leave_stops_to_rank(worker_id):
         signal.signal(s, signal.SIG_IGN)
 
 
+@atexit.register  # (after multiprocessing's own exit handler is registered, so it runs before it)
+def kill_workers():
+    """At exit multiprocessing TERMs its daemonic children, loader workers among them, and waits for them: workers
+    ignore TERM, so they are killed first (else a stream left open, by an exception say, would hang the exit)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (torch's handler would report each as an error)
+    for p in multiprocessing.active_children():
+        if p.daemon:
+            p.kill()
+
+
 @dataclass
 class Position:
     """Where one rank stands in its data: every checkpoint saves it, so a resume reads on from exactly there."""
     epoch: int = 0                                # epochs finished
     batch_in_epoch: int = 0                       # batches taken from this one
-    workers: dict = field(default_factory=dict)   # loader worker -> its {batches, raw, skipped} in this epoch
+    batches_before: int = 0                       # ... and from the finished ones
+    workers: dict = field(default_factory=dict)   # loader worker -> its {batches, raw, skipped, pooled} in this epoch
     skipped_before: int = 0                       # bad samples skipped in the finished epochs
     skipped: int = 0                              # ... and in all
 
 
-def batches(shards, batch_size, image_size, seed, rank, world, workers, pos):
+def batches(shards, batch_size, size, seed, rank, world, workers, pos):
     """One rank's endless batches, epoch after epoch, from Position `pos` on, which they keep up to date."""
     while True:
-        loader = make_loader(shards, batch_size, image_size, seed, pos.epoch, rank, world, workers,
-                             resume=dict(pos.workers))
+        loader = make_loader(shards, batch_size, size, seed, pos.epoch, rank, world, workers,
+                             resume=dict(pos.workers), first=pos.batches_before)
         for i, b in enumerate(loader):
+            if b["worker"] != i % max(workers, 1) and isinstance(size, dict):  # a worker ran dry: with buckets the
+                break                                         # epoch ends here (the others' batches have other numbers)
             if (i < pos.batch_in_epoch) != ("consumed" in b):  # placeholders stand where consumed batches stood
                 raise RuntimeError(f"resume: epoch {pos.epoch} item {i} is not where the checkpoint put it")
             if i < pos.batch_in_epoch:
                 continue
-            pos.workers[b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped")}
+            pos.workers[b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped", "pooled")}
             pos.skipped = pos.skipped_before + sum(w["skipped"] for w in pos.workers.values())
             pos.batch_in_epoch = i + 1
             yield b
         if pos.batch_in_epoch == 0:  # a whole epoch without one full batch: waiting longer cannot help
             raise SystemExit(no_batch_message(shards, batch_size, seed, pos.epoch, rank, world, workers))
-        pos.skipped_before = pos.skipped
+        pos.skipped_before, pos.batches_before = pos.skipped, pos.batches_before + pos.batch_in_epoch
         pos.epoch, pos.batch_in_epoch, pos.workers = pos.epoch + 1, 0, {}
 
 
@@ -369,8 +427,7 @@ def read_text(path):
 
 def read_json(path):
     """A JSON file's value; None where there is no such file."""
-    text = read_text(path)
-    return None if text is None else json.loads(text)
+    return None if (text := read_text(path)) is None else json.loads(text)
 
 
 def write_json(path, value):
@@ -408,17 +465,19 @@ def list_images(src):
     return [(os.path.join(os.path.dirname(os.path.abspath(src)), r["path"]), r.get("caption")) for r in rows]
 
 
-def write_shards(src, out, size=256, per_shard=1000, quality=95):
-    """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`), manifest.json (sha256, counts,
-    skips) and SHA256SUMS; smaller images are skipped, never upsampled (the seed's LAION rule), and corrupt ones."""
+def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
+    """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`; `multiple`: to the nearest bucket of
+    buckets(size, multiple) instead), manifest.json (sha256, counts, per-bucket counts, skips) and SHA256SUMS; smaller
+    images are skipped, never upsampled (the seed's LAION rule), and corrupt ones."""
     from tqdm import tqdm
-    items, skipped, shards, sink, n = list_images(src), [], [], None, 0
+    items, skipped, shards, sink, n, counts = list_images(src), [], [], None, 0, collections.Counter()
     os.makedirs(out, exist_ok=True)
     for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
         try:
-            img = open_image(path)
-            small = min(img.size) < size
-            why = "no caption" if caption is None else f"smaller than {size}: {img.size}" if small else ""
+            img = to_rgb(open_image(path))
+            wh = nearest(buckets(size, multiple), *img.size) if multiple else (size, size)
+            small = img.width < wh[0] or img.height < wh[1]
+            why = "no caption" if caption is None else f"smaller than {wh}: {img.size}" if small else ""
         except Exception as e:
             why = f"unreadable: {e}"
         if why:
@@ -430,7 +489,8 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
             shards.append(dict(name=f"shard-{len(shards):05d}.tar", samples=0))
             # mtime 0: the same images give the same bytes on every run
             sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)
-        jpg = encoded(cover_crop(img, size), "JPEG", quality=quality)
+        jpg = encoded(cover_crop(img, wh), "JPEG", quality=quality)
+        counts["%dx%d" % wh] += bool(multiple)
         sink.write({"__key__": f"{n:09d}", "jpg": jpg, "txt": caption,
                     "json": dict(src=os.path.relpath(path, os.path.dirname(os.path.abspath(src))), size=img.size)})
         shards[-1]["samples"] += 1
@@ -444,9 +504,10 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95):
     with open(os.path.join(out, "SHA256SUMS"), "w") as f:  # check the shards anywhere: sha256sum -c SHA256SUMS
         f.writelines(f"{s['sha256']}  {s['name']}\n" for s in shards)
     manifest = dict(size=size, quality=quality, samples=sum(s["samples"] for s in shards), shards=shards,
-                    skipped=skipped)
+                    buckets=+counts, skipped=skipped)
     write_json(os.path.join(out, "manifest.json"), manifest)
     print(f"{manifest['samples']} images -> {len(shards)} shards in {out}; {len(skipped)} skipped"
+          + "".join(f"\n  bucket {k}: {v}" for k, v in sorted(counts.items()))
           + "".join(f"\n  skipped {s['path']}: {s['reason']}" for s in skipped))
     return manifest
 
@@ -519,29 +580,19 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
     return manifest
 
 
-def names_set(folder, size):
-    """A names set (`python data.py emoji` writes names.json beside its shards) with its one real picture per name,
-    prepared as the converter prepares it, as uint8 (N, 3, size, size) under "real"; None for other data."""
-    names = read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None  # (also 'builtin')
-    if names is None:
-        return None
-    real = stack_uint8([open_image(os.path.join(folder, p)) for p in names["images"]], size)
-    return dict(names, root=folder, real=real)
-
-
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
     """Raw shards -> shards of {latent.npy, text.npy (fp16; real tokens), mask.npy, txt}, one per input shard, same
     order. Resumable: a finished shard exists under its final name (written to .tmp, then renamed) and is skipped."""
     from tqdm import tqdm
     device = device or model.device()
     meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
-    old = read_json(os.path.join(out, "precompute.json"))
+    shards, old = resolve_shards(src, image_size), read_json(os.path.join(out, "precompute.json"))
+    if bucket_shares(shards, image_size, 1):
+        raise SystemExit(f"{src}: pictures of several aspect ratios; precompute writes one square size: train on them")
     if old not in (None, meta):  # resuming must not mix encodings
-        raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those flags, or write to a new "
-                         f"folder")
+        raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those flags, or write a new folder")
     # cache_size=0: a one-off pass keeps nothing (each caption's states are the same bits either way)
-    enc = model.TextEncoder(text_encoder, device, cache_size=0)
-    shards, ae = resolve_shards(src, image_size), model.load_vae(vae, device)
+    enc, ae = model.TextEncoder(text_encoder, device, cache_size=0), model.load_vae(vae, device)
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "precompute.json"), meta)  # train.py checks its flags against this
     todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
@@ -552,7 +603,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
         with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
             samples = list(read_tars([shard], handler=lambda e: warnings.warn(repr(e)) or True))
             for i in range(0, len(samples), batch_size):
-                part = [(s, decode(s, image_size)) for s in samples[i:i + batch_size]]
+                part = [(s, decode(s, [(image_size, image_size)])) for s in samples[i:i + batch_size]]
                 ok = [(s, x) for s, x in part if x is not None]
                 skipped += len(part) - len(ok)
                 if not ok:
@@ -579,6 +630,8 @@ if __name__ == "__main__":
     s.add_argument("--size", type=int, default=256, help="square side in pixels (smaller images are skipped)")
     s.add_argument("--per-shard", type=int, default=1000, help="images per shard")
     s.add_argument("--quality", type=int, default=95, help="JPEG quality")
+    s.add_argument("--buckets", type=int, default=0, metavar="M", help="keep aspect ratios: 5 buckets 1:2 .. 2:1 of "
+                   "~size^2 pixels, sides multiples of M (patch x VAE factor); each image goes to the nearest")
     e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
     e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
     e.add_argument("--categories", default="animals,food", help=f"comma-separated {','.join(EMOJI_CATEGORIES)} or all")
@@ -593,7 +646,7 @@ if __name__ == "__main__":
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
     a = p.parse_args()
     if a.command == "shards":
-        write_shards(a.src, a.out, a.size, a.per_shard, a.quality)
+        write_shards(a.src, a.out, a.size, a.per_shard, a.quality, a.buckets)
     elif a.command == "emoji":
         make_emoji(a.out, a.categories.split(","), a.size, a.font)
     else:

@@ -1,6 +1,7 @@
 """model.py -- the MM-DiT: a text-conditioned Diffusion Transformer with two token streams (SD3's MM-DiT).
 
-  * patchify: an image (B, C, H, W) becomes N = (H/p)(W/p) tokens (B, N, D) + learned positions;
+  * patchify: an image (B, C, H, W) becomes N = (H/p)(W/p) tokens (B, N, D) + learned positions: the centre crop
+    of a table big enough for 1:2 and 2:1 (SD3's), so pictures of every aspect ratio share one centre;
   * conditioning: t~ = MLP(sinusoidal(t)) + Linear(masked mean of the text tokens) drives every adaLN
     (LayerNorm, then a scale and shift computed from t~, zero-initialised: DiT's adaLN-Zero);
   * per stream (text c, image x, each its own weights): h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE
@@ -41,8 +42,9 @@ def timestep_embedding(t, dim, max_period=10000):
 
 
 def sincos_2d(n_side, dim):
-    """Fixed 2-D sine-cosine table (n_side^2, dim), used to initialise the learned positions."""
-    y, x = torch.meshgrid(torch.arange(n_side), torch.arange(n_side), indexing="ij")
+    """Fixed 2-D sine-cosine table (n_side^2, dim) of each patch's offset from the centre, at dim/4 frequencies per
+    axis (DiT's, centred): the start of the learned positions."""
+    y, x = torch.meshgrid(*[torch.arange(n_side) - (n_side - 1) / 2] * 2, indexing="ij")
     omega = 1.0 / 10000 ** (torch.arange(dim // 4) / (dim // 4))
     parts = [f(c.flatten()[:, None].float() * omega[None]) for c in (x, y) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
@@ -123,8 +125,9 @@ class DiT(nn.Module):
                       hidden=expert_hidden, balance=balance) if moe else None
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.C, self.p, self.n_side = in_channels, patch, image_size // patch
+        self.n_max = round(self.n_side * math.sqrt(2))  # the longest side of data.buckets' grids (1:2, 2:1), in patches
+        self.pos = nn.Parameter(sincos_2d(self.n_max, width)[None])  # learned, sin-cos start; see positions()
         self.patch_embed = nn.Conv2d(in_channels, width, kernel_size=patch, stride=patch)
-        self.pos = nn.Parameter(sincos_2d(self.n_side, width)[None])  # learned, sin-cos start
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
         self.text_in = nn.Linear(text_dim, width)   # token states -> the text stream
         self.pool_in = nn.Linear(text_dim, width)   # pooled caption -> the conditioning vector
@@ -159,14 +162,23 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
         nn.init.zeros_(self.final.bias)
 
-    def unpatchify(self, x):
-        """(B, N, p*p*C) -> (B, C, H, W)."""
-        B, n, p, C = x.shape[0], self.n_side, self.p, self.C
-        x = x.view(B, n, n, p, p, C).permute(0, 5, 1, 3, 2, 4)  # (B, C, n, p, n, p)
-        return x.reshape(B, C, n * p, n * p)
+    def unpatchify(self, x, h, w):
+        """(B, h w, p*p*C) -> (B, C, h p, w p)."""
+        B, p, C = x.shape[0], self.p, self.C
+        x = x.view(B, h, w, p, p, C).permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
+        return x.reshape(B, C, h * p, w * p)
+
+    def positions(self, h, w):
+        """The table's central h x w patches -> (1, h w, D): SD3's crop, so a patch at a given offset from the centre
+        has one position in every aspect ratio, and the square default trains only its own n_side^2 of them."""
+        if h > self.n_max or w > self.n_max:
+            raise ValueError(f"{h} x {w} patches: this model has positions for up to {self.n_max} x {self.n_max}")
+        top, left = (self.n_max - h) // 2, (self.n_max - w) // 2
+        return self.pos.view(1, self.n_max, self.n_max, -1)[:, top:top + h, left:left + w].flatten(1, 2)
 
     def forward(self, x, t, text, mask):
-        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos  # (B, N, D)
+        h, w = x.shape[-2] // self.p, x.shape[-1] // self.p  # any grid up to n_max: one bucket's shape per batch
+        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.positions(h, w)  # (B, N, D)
         c = self.text_in(text)                                           # (B, L, D)
         m = mask[..., None].to(text.dtype)
         pooled = (text * m).sum(1) / m.sum(1).clamp(min=1)               # (B, D_text) masked mean
@@ -177,7 +189,7 @@ class DiT(nn.Module):
             else:
                 x, c = block(x, c, mask, cond)
         shift, scale = self.final_ada(cond).chunk(2, dim=-1)
-        return self.unpatchify(self.final(modulate(self.final_norm(x), shift, scale)))
+        return self.unpatchify(self.final(modulate(self.final_norm(x), shift, scale)), h, w)
 
 
 def device():

@@ -41,6 +41,7 @@ def get_args(argv=None):
     a("--plot", metavar="RUN_FOLDER", help="only draw RUN_FOLDER/loss.png from its log.jsonl")
     a("--prompt", action="append", help="caption to draw (repeatable); default: a few built-in ones")
     a("--n", type=int, default=4, help="samples per prompt")
+    a("--size", help="WxH pixels to draw, e.g. 44x24 (default: the training square; --eval: each trained bucket)")
     a("--steps", type=int, default=25, help="Euler steps, t=1 (noise) to t=0")
     a("--cfg", type=float, default=3.0, help="classifier-free guidance scale w (1 = none, 0 = ignore the caption)")
     a("--seed", type=int, default=0, help="noise seed (same seed, same pictures)")
@@ -63,6 +64,11 @@ def get_args(argv=None):
         p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) or point to <out>/ckpt.pt")
     if (args.real or args.clip_model) and not args.eval:
         p.error("--real and --clip-model are scores: add --eval")
+    if args.size:
+        wh = args.size.lower().split("x")
+        if len(wh) != 2 or not all(v.isdigit() and int(v) > 0 for v in wh):
+            p.error(f"--size {args.size}: give width x height in pixels, e.g. 44x24")
+        args.size = tuple(map(int, wh))
     return args
 
 
@@ -74,31 +80,44 @@ def load(path, raw=False):
     model.load_state_dict(ckpt["model" if raw else "ema"])
     model.vae = load_vae(ckpt["args"]["vae"], dev)  # (a plain attribute: not a submodule)
     model.t_shift = ckpt["args"]["t_shift"]  # sample on the time grid it was trained for
+    model.buckets = ckpt["buckets"]  # [(W, H)] of a run on pictures of several aspect ratios, else None
     encoder = TextEncoder(ckpt["args"]["text_encoder"], device=dev)
     return model.eval().requires_grad_(False), encoder, ckpt["args"]
 
 
 @torch.no_grad()
-def draw(model, encoder, vae, captions, steps, cfg, seed, shift=1.0, batch=256):
-    """Captions -> samples (N, 3, H, W) in [-1, 1] on the CPU, in batches whose noise comes from seed + i."""
-    C, side, dev, out = model.C, model.n_side * model.p, next(model.parameters()).device, []
+def draw(model, encoder, vae, captions, steps, cfg, seed, shift=1.0, batch=256, size=None):
+    """Captions -> samples (N, 3, H, W) in [-1, 1] on the CPU, (W, H) = `size` in pixels (default: the training square),
+    in batches whose noise comes from seed + i."""
+    f, dev, out = vae.factor if vae else 1, next(model.parameters()).device, []
+    W, H = size or (model.n_side * model.p * f,) * 2
     for i in range(0, len(captions), batch):
-        x = flow.generate(model, encoder, captions[i:i + batch], steps, cfg, seed + i, (C, side, side), dev, shift)
+        x = flow.generate(model, encoder, captions[i:i + batch], steps, cfg, seed + i, (model.C, H // f, W // f), dev,
+                          shift)
         out.append((x if vae is None else vae.decode(x)).cpu())
     return torch.cat(out)
 
 
-def evaluate(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1.0, fid=False, judge=True, batch=256):
-    """Every held-out prompt (built-in shapes), or every name of a names set, n_each times -> the grid PNG and
-    (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID with `fid`) for names."""
+def evaluate(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1.0, fid=False, judge=True, batch=256,
+             size=None):
+    """Every held-out prompt (built-in shapes), or every name of a names set, n_each times, at `size` (draw) -> the
+    grid PNG and (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID with `fid`) for
+    names. A list of sizes (buckets): each in turn, grid_WxH.png, the mean scores and each bucket's under "WxH"."""
+    if isinstance(size, (list, dict)):  # (a dict: its keys)
+        per = {"%dx%d" % b: evaluate(model, encoder, vae, names, grid.replace(".png", "_%dx%d.png" % b), n_each, steps,
+                                     cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
+        scores = [p[0] for p in per.values()]
+        mean = {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]} if scores[0] else None
+        return mean and dict(mean, **{k: p[0] for k, p in per.items()}), [x for p in per.values() for x in p[1]], \
+            [c for p in per.values() for c in p[2]]
     if names:
         want = torch.arange(len(names["names"])).repeat_interleave(n_each)
         captions = [names["heldout"].format(name=names["names"][i]) for i in want]
     else:
         prompts = data.heldout_prompts(n_each)
         captions = [p for p, _ in prompts]
-    fake = data.as_uint8(draw(model, encoder, vae, captions, steps, cfg, seed, shift, batch))
-    images = None if names else [data.to_pil(x) for x in fake]  # (the judge reads PIL images)
+    fake = as_uint8(draw(model, encoder, vae, captions, steps, cfg, seed, shift, batch, size))
+    images = None if names else [to_pil(x) for x in fake]  # (the judge reads PIL images)
     try:
         if names:
             names_grid(fake, want, names["real"], grid)
@@ -118,11 +137,27 @@ def report(scores, n, how):
     p = lambda key: f"{100 * scores[key]:.1f}%"
     if "top1" not in scores:
         return print(f"caption accuracy of {n} samples of held-out prompts ({how}): " +
-                     " ".join(f"{k} {p(k)}" for k in ("color", "shape", "position", "all")))
+                     " ".join(f"{k} {p(k)}" for k in ("color", "shape", "position", "all")) +
+                     "".join(f" | {k}: all {100 * v['all']:.1f}%" for k, v in scores.items() if isinstance(v, dict)))
     fid = f" | FID {scores['fid']:.1f}, KID {scores['kid']:.4f} (NameNet features)" if "fid" in scores else ""
     print(f"{n} samples of the held-out wording ({how}): retrieval top-1 {p('top1')} top-5 {p('top5')} (chance "
           f"{p('chance1')} / {p('chance5')}; the real pictures' near misses {p('ceiling_top1')} / "
           f"{p('ceiling_top5')}) | sharpness {scores['sharpness']:.2f}x the real pictures'{fid}")
+
+
+def as_uint8(x):
+    """Images in [-1, 1], (N, 3, H, W) or (3, H, W) -> uint8: what PNGs and every feature network here take."""
+    return ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+def to_pil(x):
+    """(3, H, W) tensor, uint8 or in [-1, 1] -> PIL image."""
+    return Image.fromarray((x if x.dtype == torch.uint8 else as_uint8(x)).permute(1, 2, 0).cpu().numpy())
+
+
+def stack_uint8(images, size):
+    """PIL images -> uint8 (N, 3, size, size), each cropped by to_tensor as a training image is."""
+    return as_uint8(torch.stack([data.to_tensor(im, size) for im in images]))
 
 
 def save_grid(images, path, nrow=8, scale=2):
@@ -146,21 +181,28 @@ def main(argv=None):
     out = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default: beside the checkpoint
     if args.routing:
         return routing_maps(model, encoder, targs["image_size"], args.out or os.path.dirname(args.ckpt), args.seed)
-    fakes = lambda captions: data.as_uint8(draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed,
-                                                model.t_shift, args.batch))  # (N, 3, H, W) uint8
+    m = model.p * (model.vae.factor if model.vae else 1)  # a patch, in pixels
+    if args.size and (args.size[0] % m or args.size[1] % m or max(args.size) > model.n_max * m):
+        raise SystemExit(f"--size {args.size[0]}x{args.size[1]}: this model draws sides that are multiples of {m} "
+                         f"pixels (its patch, times the VAE's factor), up to {model.n_max * m}; it was trained at "
+                         + ("%dx%d" % ((model.n_side * m,) * 2) if not model.buckets else
+                            " ".join("%dx%d" % tuple(b) for b in model.buckets)))
+    fakes = lambda captions: as_uint8(draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed,
+                                                model.t_shift, args.batch, args.size))  # (N, 3, H, W) uint8
     if not args.eval:
         prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                                   "a yellow triangle in the bottom right", "a white circle in the top right"]
         fake = fakes([p for p in prompts for _ in range(args.n)])
-        save_grid([data.to_pil(x) for x in fake], out("samples.png"), nrow=args.n)
+        save_grid([to_pil(x) for x in fake], out("samples.png"), nrow=args.n)
         return print(f"{len(fake)} samples ({len(prompts)} prompts x {args.n}, one row each) -> {out('samples.png')}")
     nets = feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
     clip = load_clip(args.clip_model) if args.clip_model else None
-    names, scores, fake = data.names_set(targs["data"], targs["image_size"]), {}, None
-    if names or targs["data"] == data.BUILTIN:  # the judge, or retrieval against the named pictures
+    names, scores, fake = names_set(targs["data"], targs["image_size"]), {}, None
+    if names or targs["data"] in (data.BUILTIN, data.MIXED):  # the judge, or retrieval against the named pictures
         grid = out(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
         scores, fake, captions = evaluate(model, encoder, model.vae, names, grid, args.eval_n, args.steps, args.cfg,
-                                          args.seed, model.t_shift, fid=bool(names), batch=args.batch)
+                                          args.seed, model.t_shift, fid=bool(names), batch=args.batch,
+                                          size=[args.size] if args.size else model.buckets)
         report(scores, len(fake), f"{args.steps} Euler steps, cfg {args.cfg}; grid: {grid}")
         scores["n"] = len(fake)
     elif not (args.real or args.clip_model):
@@ -208,7 +250,8 @@ def judge(img):
     ideal = {"circle": ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2 <= 1, "square": inbox,
              "triangle": inbox & (np.abs(xx - cx) <= rx * (yy - y0) / (y1 - y0))}
     iou = {k: (m & mask).sum() / (m | mask).sum() for k, m in ideal.items()}
-    fx, fy = (x0 + x1) / 2 / W, (y0 + y1) / 2 / H  # box centre (a triangle's centroid sits low)
+    m = min(W, H)  # positions are fractions of the central square (data.render), the whole picture when square
+    fx, fy = ((x0 + x1) / 2 - (W - m) / 2) / m, ((y0 + y1) / 2 - (H - m) / 2) / m  # box centre (not the centroid)
     position = min(data.POSITIONS, key=lambda k: (data.POSITIONS[k][0] - fx) ** 2 + (data.POSITIONS[k][1] - fy) ** 2)
     return dict(color=color, shape=max(iou, key=iou.get), position=position)
 
@@ -249,7 +292,17 @@ def views(x, g):
     theta[:, :, 2] = torch.empty(n, 2).uniform_(-0.125, 0.125, generator=g)  # (grid units: 2 = the side)
     x = F.grid_sample(x, F.affine_grid(theta, x.shape, align_corners=False), padding_mode="border", align_corners=False)
     x = torch.where(torch.rand(n, 1, 1, 1, generator=g) < 0.5, F.avg_pool2d(x, 3, 1, 1, count_include_pad=False), x)
-    return data.as_uint8(x + torch.randn(x.shape, generator=g) * torch.rand(n, 1, 1, 1, generator=g) * 0.2)
+    return as_uint8(x + torch.randn(x.shape, generator=g) * torch.rand(n, 1, 1, 1, generator=g) * 0.2)
+
+
+def names_set(folder, size):
+    """A names set (`python data.py emoji` writes names.json beside its shards) with its one real picture per name,
+    prepared as the converter prepares it, as uint8 (N, 3, size, size) under "real"; None for other data."""
+    names = data.read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None  # (also 'builtin')
+    if names is None:
+        return None
+    real = stack_uint8([data.open_image(os.path.join(folder, p)) for p in names["images"]], size)
+    return dict(names, root=folder, real=real)
 
 
 def name_net(names, steps=1000, batch=64, seed=0):
@@ -311,7 +364,7 @@ def names_grid(fake, want, real, path, cols=12, blocks=2):
     first = {i: j for j, i in reversed(list(enumerate(want.tolist())))}  # name -> its first sample
     pick = sorted(first)[::max(1, len(first) // (cols * blocks))][:cols * blocks]
     rows = [pick[b * cols:(b + 1) * cols] for b in range(blocks)]
-    pil = [data.to_pil(x) for r in rows for x in [*real[r], *fake[[first[i] for i in r]]]]
+    pil = [to_pil(x) for r in rows for x in [*real[r], *fake[[first[i] for i in r]]]]
     save_grid(pil, path, nrow=len(rows[0]), scale=3)
 
 
@@ -327,7 +380,7 @@ def real_images(shards, size, n, seed=0):
             break
     if len(images) < 2:
         raise SystemExit(f"--real {shards!r}: FID needs at least 2 real images, found {len(images)}")
-    return data.as_uint8(torch.stack(images)), captions
+    return as_uint8(torch.stack(images)), captions
 
 
 class Pick(torch.nn.Module):

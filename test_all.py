@@ -7,9 +7,12 @@ Shared helpers come first; then one section per file under test (model, flow, da
 distributed, run.slurm, real-scale inputs, metrics, emoji); then the faults. With CI=1 a test that needs Slurm or
 the emoji font fails where it is missing instead of skipping.
 """
+import collections
 import copy
+import dataclasses
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -379,6 +382,76 @@ def test_each_shard_goes_to_one_worker_of_one_rank_and_train_counts_bad_samples_
     assert (log[27]["epoch"], log[27]["skipped"]) == (0, 3) and (log[54]["epoch"], log[54]["skipped"]) == (1, 6)
 
 
+@pytest.mark.parametrize("size,multiple", [(32, 4), (16, 4), (16, 2), (256, 16), (1024, 64)])
+def test_buckets_round_each_side_to_its_multiple_and_pictures_go_to_the_nearest_aspect(size, multiple):
+    got = data.buckets(size, multiple)
+    for (w, h), r in zip(got, data.RATIOS):  # w = size sqrt(r), h = size / sqrt(r), each to the nearest multiple
+        assert w % multiple == 0 and h % multiple == 0
+        assert abs(w - size * r ** 0.5) <= multiple / 2 and abs(h - size / r ** 0.5) <= multiple / 2, (w, h, r)
+        worst = (1 + multiple / (2 * size * min(r, 1 / r) ** 0.5)) ** 2  # both sides rounded the wrong way
+        assert 1 / worst <= w * h / size ** 2 <= worst
+    assert [w / h for w, h in got] == sorted(w / h for w, h in got) and got[2] == (size, size)
+    if (size, multiple) == (32, 4):  # the docstring's example, by hand: 32 sqrt(2) = 45.3 -> 44, 32 / sqrt(2) = 22.6
+        assert got == [(24, 44), (28, 40), (32, 32), (40, 28), (44, 24)]
+    rng = random.Random(0)
+    for _ in range(200):  # nearest: the smallest |log(aspect ratio / picture's)|, whatever the picture's size
+        w, h = rng.randint(10, 3000), rng.randint(10, 3000)
+        best = min(abs(math.log(b[0] / b[1] / (w / h))) for b in got)
+        b = data.nearest(got, w, h)
+        assert abs(math.log(b[0] / b[1] / (w / h))) == best and data.nearest(got, 7 * w, 7 * h) == b
+
+
+def sized_shards(folder, counts, batch_of_each=1):
+    """Shards of plain pictures of the given sizes (`counts`: one list of (W, H) per shard), each captioned with its
+    own size and number, and manifest.json's per-bucket counts as the converter writes them."""
+    os.makedirs(folder)
+    sizes = collections.Counter()
+    for k, shard in enumerate(counts):
+        samples = []
+        for i, (w, h) in enumerate(shard):
+            buf = io.BytesIO()
+            Image.new("RGB", (w, h), (10 * i % 250, 40, 90)).save(buf, "PNG")
+            samples.append({"__key__": f"{k}-{i}", "png": buf.getvalue(), "txt": f"{w}x{h} {k}-{i}"})
+            sizes[f"{w}x{h}"] += 1
+        write_shard(os.path.join(folder, f"s{k}.tar"), samples)
+    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
+    return data.tars(folder)
+
+
+def test_bucketed_stream_one_bucket_a_batch_the_same_on_every_rank_in_the_datas_shares_and_resume_is_exact(tmp_path):
+    """Pictures of 5 aspect ratios, 60% square, in shards of unequal sizes: 2 ranks x 2 loader workers, over 3
+    epochs whose lengths differ between the ranks (a worker's epoch ends when its batch's bucket runs dry)."""
+    rng, kinds = random.Random(0), [(16, 16)] * 6 + [(30, 14), (14, 30), (20, 15), (15, 20)]
+    shards = sized_shards(tmp_path / "mixed", [[rng.choice(kinds) for _ in range(n)] for n in (90, 60, 120, 70, 100)])
+    buckets = data.buckets(16, 4)
+    shares = data.bucket_shares(shards, 16, 4)
+    assert sum(shares.values()) == 440 and max(shares, key=shares.get) == (16, 16) and len(shares) == 5
+    seen = {}
+    for rank in (0, 1):
+        pos, got = data.Position(), []
+        for b in itertools.islice(data.batches(shards, 4, shares, 0, rank, 2, 2, pos), 150):
+            W, H = b["image"].shape[-1], b["image"].shape[-2]
+            pictures = [tuple(map(int, c.split()[0].split("x"))) for c in b["caption"]]
+            assert all(data.nearest(buckets, *wh) == (W, H) for wh in pictures), ((W, H), pictures)
+            got.append((W, H))
+        assert pos.epoch >= 2, pos  # (150 batches of 4 cross two epochs)
+        seen[rank] = got
+    assert seen[0] == seen[1]  # every step, one shape on every rank
+    total = sum(shares.values())
+    for bucket, n in shares.items():  # any run of batches takes each bucket in its share of the data
+        for start, k in ((0, 40), (37, 60), (90, 60)):
+            assert abs(seen[0][start:start + k].count(bucket) - k * n / total) <= 2, (bucket, start)
+    whole = list(itertools.islice(data.batches(shards, 4, shares, 0, 1, 2, 2, data.Position()), 90))
+    for stop in (23, 61):  # resumed mid-epoch from a saved Position (samples waiting in pools), and after an epoch
+        pos = data.Position()
+        list(itertools.islice(data.batches(shards, 4, shares, 0, 1, 2, 2, pos), stop))
+        assert any(w["pooled"] for w in pos.workers.values()) or stop == 61
+        saved = data.Position(**copy.deepcopy(dataclasses.asdict(pos)))  # (what a checkpoint keeps)
+        rest = itertools.islice(data.batches(shards, 4, shares, 0, 1, 2, 2, saved), 90 - stop)
+        for a, b in zip(whole[stop:], rest):
+            assert a["caption"] == b["caption"] and torch.equal(a["image"], b["image"])
+
+
 def test_judge_is_right_on_the_builtin_images(tmp_path):
     shards = data.make_builtin(str(tmp_path / "shapes"), n_shards=2, per_shard=1000, seed=7)
     images, attrs = [], []
@@ -564,7 +637,7 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
     # --batch 2: two chunks, the second with the noise of --seed + 2; the grid is exactly these samples
     model, encoder, _ = sample.load(ckpt)
     drawn = sample.draw(model, encoder, None, ["a red circle"] * 3, 2, 3.0, 7, model.t_shift, batch=2)
-    sample.save_grid([data.to_pil(x) for x in data.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
+    sample.save_grid([sample.to_pil(x) for x in sample.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "g.png")), np.asarray(Image.open(tmp_path / "h.png")))
     last = sample.draw(model, encoder, None, ["a red circle"], 2, 3.0, 9, model.t_shift)
     assert torch.equal(drawn[2:], last) and not torch.equal(drawn[:1], last)
@@ -1543,7 +1616,7 @@ def shapes_uint8(n, seed, colors=tuple(data.COLORS)):
     rng = random.Random(seed)
     ims = [data.render(rng.choice(colors), rng.choice(data.SHAPES), rng.choice(list(data.POSITIONS)), 16, rng)
            for _ in range(n)]
-    return data.stack_uint8(ims, 16)
+    return sample.stack_uint8(ims, 16)
 
 
 def test_fid_is_the_frechet_distance_of_the_features_and_is_sees_diversity(tmp_path):
@@ -1629,7 +1702,7 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     # of those samples against their own captions (real images in place of samples, or other captions, differ)
     model, encoder, _ = sample.load(os.path.join(out, "ckpt.pt"))
     real, captions = sample.real_images(str(shards), 16, 10, 0)
-    fake = data.as_uint8(sample.draw(model, encoder, None, captions, 2, 3.0, 0, model.t_shift))
+    fake = sample.as_uint8(sample.draw(model, encoder, None, captions, 2, 3.0, 0, model.t_shift))
     by_hand = sample.fid_is(real, fake, sample.feature_nets(str(tmp_path / "f.pt")))
     assert by_hand["fid"] > 0.01 and all(math.isclose(scores[k], by_hand[k], rel_tol=1e-5)  # (KID: random subsets)
                                          for k in ("fid", "inception_score")), (scores, by_hand)
@@ -1663,7 +1736,7 @@ def test_data_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
         pytest.skip(f"python data.py emoji needs {data.EMOJI_FONT} (apt-get install fonts-noto-color-emoji)")
     r = run("emoji", tmp_path / "emoji", "--categories", "food", "--size", "16")
     assert r.returncode == 0, r.stderr[-3000:]
-    names = data.names_set(str(tmp_path / "emoji"), 16)
+    names = sample.names_set(str(tmp_path / "emoji"), 16)
     assert "red apple" in names["names"] and len(names["real"]) == len(names["names"]) > 100
 
 
@@ -1767,7 +1840,7 @@ def emoji_set(tmp_path_factory):
 
 def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(emoji_set):
     out, glyphs = emoji_set
-    names = data.names_set(out, 16)
+    names = sample.names_set(out, 16)
     assert names["names"] == [n for _, n, _ in glyphs] and sha256sum_check(out)[0] == 0
     samples = [s for shard in data.resolve_shards(out, 16) for s in wds.tarfile_samples([{"url": shard}])]
     captions = sorted(s["txt"].decode() for s in samples)
@@ -1780,7 +1853,7 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
 
 def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
     out, _ = emoji_set
-    names = data.names_set(out, 16)
+    names = sample.names_set(out, 16)
     real = names["real"]
     want = torch.arange(len(real)).repeat(4)
     near_misses = sample.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
@@ -1789,11 +1862,11 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
     wrong = sample.score_names(near_misses, want.roll(1), names)  # each picture under another's name
     assert wrong["top1"] <= 0.2
-    noise = data.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
+    noise = sample.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
     bad = sample.score_names(noise, want, names)
     assert bad["fid"] > 2 * good["fid"] and bad["kid"] > good["kid"] and bad["sharpness"] > 2
-    speckled = data.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
-    blurred = data.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
+    speckled = sample.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
+    blurred = sample.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
     s_speckled = sample.score_names(speckled, want, names, fid=False)["sharpness"]
     assert s_speckled > 1.2 and sample.score_names(blurred, want, names, fid=False)["sharpness"] < 0.8
 
@@ -1815,9 +1888,9 @@ def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_
     assert scores["n"] == 16 and scores["cfg"] == 0 and scores["chance5"] == 5 / 8 and "retrieval top-1" in said
     # the wiring, by hand: every name twice in the held-out wording, drawn with the same noise, scored against the set
     model, encoder, _ = sample.load(os.path.join(run, "ckpt.pt"))
-    names = data.names_set(out, 16)
+    names = sample.names_set(out, 16)
     want = torch.arange(8).repeat_interleave(2)
-    fake = data.as_uint8(sample.draw(model, encoder, None, [names["heldout"].format(name=names["names"][i])
+    fake = sample.as_uint8(sample.draw(model, encoder, None, [names["heldout"].format(name=names["names"][i])
                                                             for i in want], 2, 0.0, 0, model.t_shift))
     by_hand = sample.score_names(fake, want, names, fid=True)
     assert all(math.isclose(scores[k], by_hand[k], rel_tol=1e-6) for k in ("top1", "top5", "sharpness", "fid"))

@@ -38,7 +38,7 @@ TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_dr
 def get_parser():
     p = argparse.ArgumentParser(description="Train a text-to-image MM-DiT with rectified flow.")
     a = p.add_argument
-    a("--data", default=data.BUILTIN, help="a folder of .tar shards, comma-separated .tar paths, or 'builtin' shapes")
+    a("--data", default=data.BUILTIN, help="shards: a folder or .tar,.tar; 'builtin' shapes, 'builtin-mixed' (5 aspects)")
     a("--text-encoder", default="minilm", help="'minilm' (offline, a pip package) or a CLIP hub id or folder")
     a("--text-cache", type=int, default=100_000, help="distinct captions whose states stay cached (CPU, fp16)")
     a("--vae", default="none", help="'none' = pixels, or a frozen diffusers AutoencoderKL: hub id or folder")
@@ -138,6 +138,7 @@ class Run:
     ckpt_step: int = None          # step of the last checkpoint this process wrote (None: none yet)
     ds_tag: str = None             # DeepSpeed: that checkpoint's partition folder
     shards: list = None            # the training data
+    buckets: dict = None           # its aspect-ratio buckets {(W, H): samples}; None: square pictures
     judged: bool = False           # built-in shapes: sample.judge grades samples
     names: dict = None             # a names set (python data.py emoji): retrieval scores samples
     log: object = None             # log.jsonl, open on rank 0
@@ -186,11 +187,9 @@ def setup(args, shape=None):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    # noise, t and caption drop: the same seed on every rank, which draws for the global batch and
-    # keeps its own slice, so a run does not depend on how its batch is split over ranks
+    # noise, t, caption drop: every rank draws the global batch's and keeps its slice (a run is split-independent)
     gen = torch.Generator(dev).manual_seed(args.seed)
-    fwd = torch.compile(model) if args.compile else model  # EMA, samples, ckpts use the plain module
-    engine = None
+    fwd, engine = torch.compile(model) if args.compile else model, None  # EMA, samples, ckpts use the plain module
     if args.dist == "deepspeed":  # ZeRO-2: optimizer states and gradients partitioned over ranks, weights replicated
         import deepspeed  # (our AdamW is passed in: nothing is JIT-built; clipping as in the others)
         ds = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
@@ -215,9 +214,10 @@ def start(args):
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     run = setup(args)
     run.shards, run.t_start = shards, time.time()
-    run.judged = args.data == data.BUILTIN or (pre or {}).get("source") == data.BUILTIN  # the judge knows only these
+    run.judged = data.BUILTIN in (args.data, (pre or {}).get("source")) or args.data == data.MIXED  # (it knows these)
+    run.buckets = data.bucket_shares(shards, args.image_size, args.patch * (run.vae.factor if run.vae else 1))
     master = run.rank == 0  # only rank 0 prints, logs, samples and writes files
-    run.names = data.names_set(args.data, args.image_size) if master and not pre else None  # retrieval scores
+    run.names = sample.names_set(args.data, args.image_size) if master and not pre else None  # retrieval scores
     run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
@@ -234,7 +234,8 @@ def start(args):
               f"{'precomputed ' if pre else ''}shards | device {run.dev} {args.precision}"
               + (f" | {run.world} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
                  f"{args.batch_size} = global batch {batch}" if batch > args.batch_size else "")
-              + (f" | each rank holds {args.moe // args.ep} of {args.moe} experts per layer" if args.ep > 1 else ""))
+              + (f" | each rank holds {args.moe // args.ep} of {args.moe} experts per layer" if args.ep > 1 else "")
+              + "".join(f" | bucket {w}x{h}: {n} samples" for (w, h), n in (run.buckets or {}).items()))
     return run
 
 
@@ -247,17 +248,17 @@ def train_step(run, args, micro, mark=None):
     n, N, W, r, dev = micro[0][0].shape[0], len(micro), run.world, run.rank, run.dev
     keep = torch.rand(n * N * W, generator=run.gen, device=dev) >= args.cfg_drop  # (global batch,)
     t_all = flow.sample_t(n * N * W, args.t_dist, run.gen, dev, args.t_shift)
-    eps_all = torch.randn((n * N * W, *micro[0][0].shape[1:]), generator=run.gen, device=dev)
     if run.engine is None:
         run.opt.zero_grad(set_to_none=True)
     loss, balance, t, per_sample = 0, 0, [], []
     for i, (x0, text, mask) in enumerate(micro):
         mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
         text, mask = flow.drop_captions(text, mask, keep[mine])
+        eps = torch.randn((n * W, *x0.shape[1:]), generator=run.gen, device=dev)[r * n:(r + 1) * n]  # (its bucket's)
         quiet = run.engine is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
         with run.fwd.no_sync() if quiet else contextlib.nullcontext():
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps_all[mine])
+                loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps)
                 balance_i = moe.balance_loss(run.model, W > 1).to(loss_i.device)  # (0 for a dense model)
             mark("forward")
             if run.engine is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
@@ -300,8 +301,7 @@ def encode_batch(run, b):
     """A loader batch -> (x0, text, mask) on the device, through the frozen VAE and text encoder (or precomputed)."""
     if "latent" in b:
         return b["latent"].to(run.dev).float(), b["text"].to(run.dev).float(), b["mask"].to(run.dev)
-    x0 = b["image"].to(run.dev, non_blocking=True)
-    text, mask = run.encoder(b["caption"])  # cached per distinct caption
+    x0, (text, mask) = b["image"].to(run.dev, non_blocking=True), run.encoder(b["caption"])  # (captions: cached)
     return (x0 if run.vae is None else run.vae.encode(x0)), text, mask
 
 
@@ -311,7 +311,7 @@ def train_loop(args, run, signals):
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=run.step, desc="train", dynamic_ncols=True, disable=run.rank != 0)
     n_seen, t_window, stopped = 0, time.time(), False
-    stream = data.batches(run.shards, args.batch_size, args.image_size, args.seed, run.rank, run.world,
+    stream = data.batches(run.shards, args.batch_size, run.buckets or args.image_size, args.seed, run.rank, run.world,
                           args.workers, run.position)  # (which it keeps up to date)
     try:
         signals.defer = run.world > 1  # one process: a signal while it waits for data stops it at once
@@ -414,7 +414,7 @@ def save_checkpoint(run, args):
     ckpt = dict(model=model, ema=ema, opt=opt,
                 deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
-                bad=run.bad.cpu(), data=positions)  # (DeepSpeed's optimizer state is in its tag folder)
+                bad=run.bad.cpu(), data=positions, buckets=run.buckets and list(run.buckets))
     prev = os.path.join(args.out, PREV)
     if run.ckpt_step is None and os.path.exists(prev):  # another run's, left in this folder: never a fallback
         os.remove(prev)
@@ -496,7 +496,7 @@ def sample_grid(run, args, ema):
     if run.rank == 0:
         path = os.path.join(args.out, "samples", f"step_{run.step:06d}.png")
         acc = sample.evaluate(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
-                              args.t_shift, judge=run.judged)[0]
+                              args.t_shift, judge=run.judged, size=run.buckets)[0]
         data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
         sample.plot_run(args.out)
 
@@ -517,8 +517,8 @@ def final_evaluation(args, run, signals):
             print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
     else:  # every held-out prompt or name in wording never trained on, noise from --seed
         grid = os.path.join(args.out, "samples", "eval.png")
-        scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n,
-                                          args.sample_steps, args.cfg, args.seed, args.t_shift, fid=True)
+        scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n, args.sample_steps,
+                                          args.cfg, args.seed, args.t_shift, fid=True, size=run.buckets)
         data.append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
         sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
     sample.plot_run(args.out)  # with the final scores
