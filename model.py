@@ -41,10 +41,10 @@ def timestep_embedding(t, dim, max_period=10000):
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def sincos_2d(n_side, dim):
-    """Fixed 2-D sine-cosine table (n_side^2, dim) of each patch's offset from the centre, at dim/4 frequencies per
-    axis (DiT's, centred): the start of the learned positions."""
-    y, x = torch.meshgrid(*[torch.arange(n_side) - (n_side - 1) / 2] * 2, indexing="ij")
+def sincos_2d(n_side, dim, first=0):
+    """Fixed 2-D sine-cosine table (n_side^2, dim) of patch coordinates first, first + 1, ... on each axis, at dim/4
+    frequencies per axis (DiT's): the start of the learned positions."""
+    y, x = torch.meshgrid(*[torch.arange(n_side) + first] * 2, indexing="ij")
     omega = 1.0 / 10000 ** (torch.arange(dim // 4) / (dim // 4))
     parts = [f(c.flatten()[:, None].float() * omega[None]) for c in (x, y) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
@@ -126,7 +126,8 @@ class DiT(nn.Module):
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.C, self.p, self.n_side = in_channels, patch, image_size // patch
         self.n_max = round(self.n_side * math.sqrt(2))  # the longest side of data.buckets' grids (1:2, 2:1), in patches
-        self.pos = nn.Parameter(sincos_2d(self.n_max, width)[None])  # learned, sin-cos start; see positions()
+        # learned, sin-cos start: DiT's table of the square grid (coordinates 0 .. n_side - 1), extended on every side
+        self.pos = nn.Parameter(sincos_2d(self.n_max, width, -((self.n_max - self.n_side) // 2))[None])
         self.patch_embed = nn.Conv2d(in_channels, width, kernel_size=patch, stride=patch)
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
         self.text_in = nn.Linear(text_dim, width)   # token states -> the text stream

@@ -250,8 +250,7 @@ def judge(img):
     ideal = {"circle": ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2 <= 1, "square": inbox,
              "triangle": inbox & (np.abs(xx - cx) <= rx * (yy - y0) / (y1 - y0))}
     iou = {k: (m & mask).sum() / (m | mask).sum() for k, m in ideal.items()}
-    m = min(W, H)  # positions are fractions of the central square (data.render), the whole picture when square
-    fx, fy = ((x0 + x1) / 2 - (W - m) / 2) / m, ((y0 + y1) / 2 - (H - m) / 2) / m  # box centre (not the centroid)
+    fx, fy = (x0 + x1) / 2 / W, (y0 + y1) / 2 / H  # box centre (a triangle's centroid sits low)
     position = min(data.POSITIONS, key=lambda k: (data.POSITIONS[k][0] - fx) ** 2 + (data.POSITIONS[k][1] - fy) ** 2)
     return dict(color=color, shape=max(iou, key=iou.get), position=position)
 

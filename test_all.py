@@ -36,7 +36,7 @@ import flow
 import moe
 import sample
 import train
-from model import DiT, TextEncoder, count_params, load_vae
+from model import DiT, TextEncoder, count_params, load_vae, sincos_2d
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slurm or emoji font fails, never skips
@@ -76,18 +76,22 @@ def write_shard(path, samples):
             w.write(s)
 
 
-def identical_shards(folder, n_shards=4, per_shard=16):
-    """Shards whose samples are all one red square: runs over any number of ranks see the same batches."""
+def identical_shards(folder, n_shards=4, per_shard=16, sizes=((16, 16),)):
+    """Shards whose samples are all one red picture (of one of `sizes` in turn, counted in manifest.json):
+    runs over any number of ranks see the same batches."""
     os.makedirs(folder)
     for s in range(n_shards):
-        write_shard(os.path.join(folder, f"s{s}.tar"), [{"__key__": f"{s}-{i}", "png": png((200, 30, 30)),
-                                                         "txt": "a red square"} for i in range(per_shard)])
+        write_shard(os.path.join(folder, f"s{s}.tar"), [{"__key__": f"{s}-{i}", "png": png((200, 30, 30),
+                                                         sizes[i % len(sizes)]), "txt": "a red square"}
+                                                        for i in range(per_shard)])
+    counts = collections.Counter("%dx%d" % sizes[i % len(sizes)] for _ in range(n_shards) for i in range(per_shard))
+    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
     return str(folder)
 
 
 def png(color=(200, 30, 30), size=16):
     buf = io.BytesIO()
-    Image.new("RGB", (size, size), color).save(buf, "PNG")
+    Image.new("RGB", (size, size) if isinstance(size, int) else size, color).save(buf, "PNG")
     return buf.getvalue()
 
 
@@ -221,6 +225,25 @@ def test_at_init_every_block_is_the_identity_every_adaln_plain_and_the_velocity_
     assert not m.final_ada(cond).any()
     v = m(*toy_inputs())
     assert v.shape == (3, 3, 16, 16) and torch.equal(v, torch.zeros_like(v))
+
+
+def test_positions_are_one_table_cropped_around_its_centre_and_a_square_run_trains_only_dits_square_of_it():
+    m = randomize(tiny_model())  # 16 px, patch 4: a 4 x 4 grid; its table is round(4 sqrt 2) = 6 patches a side
+    N, D = m.n_max, 32
+    assert N == 6 and torch.equal(sincos_2d(4, D), tiny_model().positions(4, 4)[0])  # at init: DiT's own table
+    table = m.pos.view(N, N, D)
+    assert torch.equal(m.positions(4, 4)[0], table[1:5, 1:5].flatten(0, 1))
+    assert torch.equal(m.positions(2, 6)[0], table[2:4].flatten(0, 1))  # wide: the middle rows, every column
+    assert torch.equal(m.positions(6, 3)[0], table[:, 1:4].flatten(0, 1))  # tall: (6 - 3) // 2 = 1 column off
+    x, t, text, mask = toy_inputs()
+    m(x, t, text, mask).square().mean().backward()
+    grad = m.pos.grad.view(N, N, D)
+    assert grad[1:5, 1:5].abs().sum(-1).all() and not grad.clone().index_fill_(0, torch.arange(1, 5), 0).any() \
+        and not grad.clone().index_fill_(1, torch.arange(1, 5), 0).any()  # squares move only their own 4 x 4
+    v = m(torch.randn(3, 3, 8, 24), t, text, mask)  # any grid up to the table: 2 x 6 patches
+    assert v.shape == (3, 3, 8, 24)
+    with pytest.raises(ValueError, match="up to 6 x 6"):
+        m(torch.randn(3, 3, 28, 16), t, text, mask)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -466,6 +489,18 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
         assert [named(data.COLORS), named(data.SHAPES), named(data.POSITIONS)] == \
             [[a["color"]], [a["shape"]], [a["position"]]], (a, words)
     assert sample.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
+    # builtin-mixed: the same scenes widened to every bucket, positions in the central square: graded alike
+    mixed = data.make_builtin(str(tmp_path / "mixed"), n_shards=1, per_shard=1000, seed=7, mixed=True)
+    by_size = collections.defaultdict(lambda: ([], []))
+    for s in wds.tarfile_samples({"url": u} for u in mixed):
+        img = Image.open(io.BytesIO(s["png"]))
+        by_size[img.size][0].append(img)
+        by_size[img.size][1].append(json.loads(s["json"]))
+    assert sorted(by_size) == sorted(data.buckets(32, 4))
+    assert data.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
+        {"%dx%d" % size: len(imgs) for size, (imgs, _) in by_size.items()}
+    for size, (imgs, attrs) in by_size.items():
+        assert sample.grade(imgs, attrs)["all"] >= 0.97, size
 
 
 def test_builtin_data_is_deterministic_and_captions_vary(tmp_path):
@@ -506,6 +541,39 @@ def trained16(tmp_path_factory, builtin16):
                        "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n", "1", "--sample-steps",
                        "4", "--out", out])
     return out
+
+
+@pytest.fixture(scope="module")
+def trained_mixed16(tmp_path_factory):
+    """trained16's recipe on builtin-mixed: pictures of 5 aspect ratios, trained at patch 2 in 3 buckets (12x22 16x16
+    22x12, each picture at its nearest), a grid per bucket and the final evaluation per bucket."""
+    out = str(tmp_path_factory.mktemp("mixed16") / "run")
+    train.main(TINY + ["--data", data.MIXED, "--image-size", "16", "--width", "64", "--patch", "2", "--batch-size",
+                       "32", "--steps", "300", "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n",
+                       "1", "--sample-steps", "4", "--out", out])
+    return out
+
+
+def test_a_model_trained_on_mixed_aspect_ratios_draws_wide_and_tall_pictures_that_follow_their_captions(
+        trained_mixed16, tmp_path, capsys):
+    final = next(json.loads(l)["eval"] for l in open(os.path.join(trained_mixed16, "log.jsonl")) if '"eval"' in l)
+    assert {k for k, v in final.items() if isinstance(v, dict)} == {"12x22", "16x16", "22x12"}
+    for size in ("12x22", "22x12"):  # caption-blind: colour 1/6 (position, split over 3 buckets, is learnt later)
+        assert final[size]["color"] >= 0.8, (size, final[size])
+    assert final["all"] == sum(final[k]["all"] for k in ("12x22", "16x16", "22x12")) / 3
+    for size, (w, h) in (("12x22", (12, 22)), ("22x12", (22, 12))):  # a grid per bucket: 15 columns x 6 rows, 2x
+        assert Image.open(os.path.join(trained_mixed16, "samples", f"step_000150_{size}.png")).size == (30 * w, 12 * h)
+    ckpt = os.path.join(trained_mixed16, "ckpt.pt")
+    again = sample.main(["--ckpt", ckpt, "--eval", "--steps", "4", "--eval-n", "1", "--out", str(tmp_path / "e.png")])
+    assert {k: again[k] for k in final} == final  # the same samples, scored per bucket as train.py did
+    sample.main(["--ckpt", ckpt, "--size", "22x12", "--n", "2", "--out", str(tmp_path / "wide.png")])
+    assert Image.open(tmp_path / "wide.png").size == (2 * 22 * 2, 4 * 12 * 2)  # 4 prompts x 2, at 22 x 12
+    for size, why in (("13x20", "multiples of 2 pixels"), ("24x12", "up to 22")):
+        with pytest.raises(SystemExit, match=why):
+            sample.main(["--ckpt", ckpt, "--size", size, "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit):
+        sample.get_args(["--ckpt", ckpt, "--size", "wide"])
+    assert "--size wide: give width x height in pixels" in capsys.readouterr().err
 
 
 def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beats_none(trained16, tmp_path):
@@ -559,16 +627,21 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     assert right < 0.8 * swapped and right < 0.97 * null, (right, swapped, null)  # (1.53x and 1.06x here)
 
 
-def test_resume_is_bit_identical(tmp_path, monkeypatch):
-    # 2 shards x 40 samples, 2 workers, batch 16: 4 batches an epoch, so 12 steps cross 2 epochs
-    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_resume_is_bit_identical(tmp_path, monkeypatch, mixed):
+    # 2 shards x 40 samples, 2 workers, batch 16: 4 batches an epoch, so 12 steps cross 2 epochs; mixed: pictures of
+    # 5 aspect ratios, batches of 4 of one bucket, the step-5 checkpoint holds samples waiting in the buckets' pools
+    small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40, mixed=mixed)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "12", "--ckpt-every", "5",
-                    "--workers", "2"]
+                    "--workers", "2"] + ["--batch-size", "4"] * mixed
     train.main(flags + ["--out", str(tmp_path / "a")])  # uninterrupted
+    if mixed:
+        saved = torch.load(tmp_path / "a" / "ckpt.prev.pt", weights_only=True)  # (step 10)
+        assert saved["step"] == 10 and any(w["pooled"] for w in saved["data"][0]["workers"].values())
     # killed mid-epoch, between checkpoints: steps 6 and 7 are lost
     crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=7)
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
-    assert a["step"] == b["step"] == 12 and a["data"] == b["data"] and a["data"][0]["epoch"] == 2  # epochs 0, 1 done
+    assert a["step"] == b["step"] == 12 and a["data"] == b["data"] and a["data"][0]["epoch"] == 2 - mixed
     for k in ("model", "ema"):
         for name in a[k]:
             assert torch.equal(a[k][name], b[k][name]), (k, name)
@@ -1190,11 +1263,14 @@ def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
     # times and caption drop are drawn for the global batch on every rank (each keeps its slices);
     # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
-    flags = TINY + ["--data", identical_shards(tmp_path / "same"), "--image-size", "16", "--steps", "6", "--lr", "2e-3",
-                    "--warmup", "2", "--cfg-drop", "0.3"]
+    # moe: pictures of 2 aspect ratios, a micro-batch's bucket the same on every rank: = 1 x 2 micro-batches x 8
+    sizes = ((16, 16), (24, 12)) if model == "moe" else ((16, 16),)
+    flags = TINY + ["--data", identical_shards(tmp_path / "same", sizes=sizes), "--image-size", "16", "--steps", "6",
+                    "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3"]
     if model == "moe":  # bias balancing: every rank nudges by the loads of the global batch, as one process does
         flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01"]
-    train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")])
+    train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")] if model == "dense" else
+               flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         free_port(), "train.py", "--dist", "ddp", *flags, "--batch-size", "4", "--grad-accum", "2",
                         "--workers", "1", "--out", str(tmp_path / "two")], cwd=ROOT, capture_output=True, text=True,
@@ -1202,6 +1278,7 @@ def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_
     assert r.returncode == 0, r.stderr[-3000:]
     assert "parameters identical on all 2 ranks: True" in r.stdout
     assert "2 ranks x 2 micro-batches x 4 = global batch 16" in r.stdout
+    assert ("bucket 24x12: 32 samples" in r.stdout) == (model == "moe"), r.stdout
     one, two = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "two"))
     init = tiny_model(image_size=16, width=32, text_dim=384, moe=4 * (model == "moe")).state_dict()
     for name in one["model"]:
@@ -1537,6 +1614,37 @@ def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     status, said = sha256sum_check(tmp_path / "out")
     assert status == 1 and "shard-00000.tar: OK" in said and "shard-00001.tar: FAILED" in said, said
+
+
+def test_converter_buckets_keep_each_photos_aspect_ratio_upright_and_never_upsample(tmp_path):
+    from sklearn.datasets import load_sample_images  # a real 640 x 427 photo shipped inside scikit-learn
+    photo, src = Image.fromarray(load_sample_images().images[0]), tmp_path / "photos"
+    src.mkdir()
+    upright = {"wide": photo, "tall": photo.transpose(Image.Transpose.ROTATE_270), "square": photo.crop((0, 0, 427, 427)),
+               "panorama": photo.crop((0, 100, 640, 300)), "small": photo.resize((60, 40))}
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": stored wide, a tall picture once upright
+    photo.save(src / "tall.jpg", exif=exif, quality=100)
+    for name, img in upright.items():
+        if name != "tall":
+            img.save(src / f"{name}.png")
+        (src / f"{name}.txt").write_text(name)
+    m = data.write_shards(str(src), str(tmp_path / "out"), size=64, per_shard=10, multiple=16)
+    # buckets(64, 16): 48x96 48x80 64x64 80x48 96x48; 3:2 -> 80x48, 640 x 200 (3.2:1) -> 2:1; 60 x 40 < 80 x 48
+    want = {"wide": (80, 48), "tall": (48, 80), "square": (64, 64), "panorama": (96, 48)}
+    assert m["buckets"] == {"%dx%d" % wh: 1 for wh in want.values()}
+    assert [(os.path.basename(s["path"]), s["reason"]) for s in m["skipped"]] == [("small.png", "smaller than (80, "
+                                                                                   "48): (60, 40)")]
+    for s in wds.tarfile_samples([{"url": u} for u in data.tars(str(tmp_path / "out"))]):
+        name, img = s["txt"].decode(), Image.open(io.BytesIO(s["jpg"]))
+        w, h = want[name]
+        assert img.size == (w, h), name
+        k = max(w / upright[name].width, h / upright[name].height)  # the rule: cover-resize, then centre-crop
+        big = upright[name].resize((max(w, round(upright[name].width * k)), max(h, round(upright[name].height * k))),
+                                   Image.BICUBIC)
+        left, top = (big.width - w) // 2, (big.height - h) // 2
+        ref = np.asarray(big.crop((left, top, left + w, top + h)), dtype=np.float32)
+        assert np.abs(np.asarray(img, dtype=np.float32) - ref).mean() < 6, name  # (JPEG only)
 
 
 def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_same_loss(tmp_path, tiny_vae):
@@ -2064,6 +2172,17 @@ def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path)
     assert r.returncode != 0, r.stderr[-3000:]
     assert "gave rank 0 no batch" in r.stderr and "gave rank 1 no batch" in r.stderr, r.stderr[-3000:]
     assert time.time() - t0 < 60
+
+
+def test_an_error_while_loader_workers_run_ends_the_process_instead_of_hanging_its_exit(tmp_path, builtin16):
+    """Loader workers ignore TERM (a launcher's stop is the rank's to handle); multiprocessing's exit TERMs and waits
+    for them, so a stream an exception left open used to hang the process forever."""
+    script = tmp_path / "fails.py"
+    script.write_text(f"import sys; sys.path.insert(0, {ROOT!r}); import data\n"
+                      "stream = data.batches(data.resolve_shards('builtin', 16), 8, 16, 0, 0, 1, 2, data.Position())\n"
+                      "next(stream)\nraise RuntimeError('failed with the stream open')\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: failed with the stream open"), r.stderr
 
 
 def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkeypatch):
