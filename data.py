@@ -17,7 +17,6 @@
 import atexit
 import bisect
 import collections
-import contextlib
 import hashlib
 import io
 import itertools
@@ -37,6 +36,7 @@ import webdataset as wds
 from PIL import Image, ImageDraw, ImageOps
 
 import model
+from model import read_json, read_text, write_json
 
 # ---- The built-in dataset: coloured shapes at named positions --------------------------------------------------
 COLORS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 240),
@@ -272,9 +272,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         super().__init__()
         shares = {(size, size): 1} if isinstance(size, int) else size  # (W, H) -> samples
         self.sizes, self.cum, self.first = list(shares), list(itertools.accumulate(shares.values())), first
-        self.shards, self.B = list(shards), batch_size
-        self.seed, self.epoch, self.rank, self.world, self.buffer = seed, epoch, rank, world, buffer
-        self.resume = resume or {}
+        self.shards, self.B, self.buffer, self.resume = list(shards), batch_size, buffer, resume or {}
+        self.seed, self.epoch, self.rank, self.world = seed, epoch, rank, world
 
     def bucket(self, n):
         """The bucket of this rank's n-th batch: the same on every rank (so DDP's ranks step in one shape), a golden-
@@ -306,6 +305,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 pooled = sorted(i for pool in pools.values() for i, _ in pool)
                 yield dict(collate([x for _, x in items]), worker=wid, batches=k, raw=raw, skipped=self.skipped,
                            pooled=pooled)
+            if sum(map(len, pools.values())) > self.buffer + len(self.sizes) * self.B:  # a bucket this worker lacks:
+                break  # its epoch ends here, memory bounded (its pools would otherwise hold all it reads)
         # what is left in the pools is dropped (an epoch ends at the first bucket that runs dry): full batches only
 
     def unreadable(self, exn):
@@ -318,9 +319,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Resume: read the worker's `raw` consumed samples again, decoding only the `pooled` ones (read, not yet
         batched) back into their pools, then yield `batches` placeholders, so the DataLoader interleaves the workers
         exactly as before, at the cost of a tar read."""
-        pooled = set(done["pooled"])
         for i, s in zip(range(1, done["raw"] + 1), stream):
-            if i in pooled:
+            if i in done["pooled"]:
                 item = decode(s, self.sizes)
                 pools[item["bucket"]].append((i, item))
         for _ in range(done["batches"]):
@@ -395,60 +395,7 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
             f"fewer --workers or ranks, or more data.")
 
 
-# ==== What a first read may skip: files written whole, the offline tools (converter, emoji, precompute), the CLI ====
-def atomic_write(path, write, keep=None):
-    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
-    given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before a name points at them
-        if keep and os.path.exists(path):
-            os.replace(path, keep)
-        os.replace(tmp, path)
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)  # and so are the renames
-        finally:
-            os.close(fd)
-    finally:  # on any error no .tmp is left behind, and the error goes on
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-
-
-def read_text(path):
-    """A file's text; None where there is no such file."""
-    if os.path.exists(path):
-        with open(path) as f:
-            return f.read()
-
-
-def read_json(path):
-    """A JSON file's value; None where there is no such file."""
-    return None if (text := read_text(path)) is None else json.loads(text)
-
-
-def write_json(path, value):
-    """value -> path as JSON (indent 1: readable, diffable)."""
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1)
-
-
-def append_json(f, rec):
-    """One JSON line to an open file (log.jsonl), flushed; NaN and inf become null, since bare NaN is not JSON."""
-    def finite(x):
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
-    if f:
-        f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
-        f.flush()
-
-
+# ==== What a first read may skip: the offline tools (converter, emoji, precompute) and their command line =========
 def list_images(src):
     """Image folder (captions in sidecar .txt, stripped) or a .csv / .jsonl of path,caption (paths relative to that
     file's folder) -> [(path, caption)]; caption None where there is none."""

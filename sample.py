@@ -30,7 +30,7 @@ from PIL import Image
 
 import data
 import flow
-from model import DiT, TextEncoder, cannot_load, device, load_vae
+from model import DiT, TextEncoder, atomic_write, cannot_load, device, load_vae, read_json
 from moe import MoE, default_impl
 
 
@@ -169,7 +169,7 @@ def save_grid(images, path, nrow=8, scale=2):
         grid.paste(im, ((i % nrow) * w, (i // nrow) * h))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
-    data.atomic_write(path, lambda f: grid.save(f, "PNG"))
+    atomic_write(path, lambda f: grid.save(f, "PNG"))
 
 
 def main(argv=None):
@@ -297,7 +297,7 @@ def views(x, g):
 def names_set(folder, size):
     """A names set (`python data.py emoji` writes names.json beside its shards) with its one real picture per name,
     prepared as the converter prepares it, as uint8 (N, 3, size, size) under "real"; None for other data."""
-    names = data.read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None  # (also 'builtin')
+    names = read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None  # (also 'builtin')
     if names is None:
         return None
     real = stack_uint8([data.open_image(os.path.join(folder, p)) for p in names["images"]], size)
@@ -563,7 +563,7 @@ def plot_run(folder):
     axes[2].set_ylim(0, 1.02)
     fig.tight_layout()
     try:
-        data.atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
+        atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
     except OSError as e:
         print(f"warning: {folder}/loss.png not written ({e}); going on", file=sys.stderr)
     drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in axes for line in ax.lines}

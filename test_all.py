@@ -32,6 +32,7 @@ import webdataset as wds
 from PIL import Image
 
 import data
+import model
 import flow
 import moe
 import sample
@@ -85,7 +86,7 @@ def identical_shards(folder, n_shards=4, per_shard=16, sizes=((16, 16),)):
                                                          sizes[i % len(sizes)]), "txt": "a red square"}
                                                         for i in range(per_shard)])
     counts = collections.Counter("%dx%d" % sizes[i % len(sizes)] for _ in range(n_shards) for i in range(per_shard))
-    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
+    model.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
     return str(folder)
 
 
@@ -437,11 +438,12 @@ def sized_shards(folder, counts, batch_of_each=1):
             samples.append({"__key__": f"{k}-{i}", "png": buf.getvalue(), "txt": f"{w}x{h} {k}-{i}"})
             sizes[f"{w}x{h}"] += 1
         write_shard(os.path.join(folder, f"s{k}.tar"), samples)
-    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
+    model.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
     return data.tars(folder)
 
 
-def test_bucketed_stream_one_bucket_a_batch_the_same_on_every_rank_in_the_datas_shares_and_resume_is_exact(tmp_path):
+def test_bucketed_stream_one_bucket_a_batch_the_same_on_every_rank_in_the_datas_shares_and_resume_is_exact(tmp_path,
+                                                                                                        monkeypatch):
     """Pictures of 5 aspect ratios, 60% square, in shards of unequal sizes: 2 ranks x 2 loader workers, over 3
     epochs whose lengths differ between the ranks (a worker's epoch ends when its batch's bucket runs dry)."""
     rng, kinds = random.Random(0), [(16, 16)] * 6 + [(30, 14), (14, 30), (20, 15), (15, 20)]
@@ -473,6 +475,19 @@ def test_bucketed_stream_one_bucket_a_batch_the_same_on_every_rank_in_the_datas_
         rest = itertools.islice(data.batches(shards, 4, shares, 0, 1, 2, 2, saved), 90 - stop)
         for a, b in zip(whole[stop:], rest):
             assert a["caption"] == b["caption"] and torch.equal(a["image"], b["image"])
+    # a bucket that one shard alone holds: a rank without it ends its epoch when its pools pass buffer + 2 batches,
+    # rather than decode and hold all it reads, waiting for that bucket
+    lone = sized_shards(tmp_path / "lone", [[(14, 30)] * 8, [(16, 16)] * 90, [(16, 16)] * 90, [(16, 16)] * 90])
+    real_decode, decoded = data.decode, collections.Counter()
+    monkeypatch.setattr(data, "decode", lambda s, sizes: decoded.update([s["__url__"]]) or real_decode(s, sizes))
+    without = []
+    for rank in (0, 1):
+        decoded.clear()
+        got = list(data.ShardStream(lone, 4, data.bucket_shares(lone, 16, 4), rank=rank, world=2, buffer=20))
+        if not any(u.endswith("s0.tar") for u in decoded):  # this rank's 180 pictures are all square
+            without.append((sum(decoded.values()), 4 * len(got)))
+    (read, batched), = without  # it stopped with 29 pictures waiting, long before its 180 were read
+    assert read - batched == 20 + 2 * 4 + 1 and read < 180, without
 
 
 def test_judge_is_right_on_the_builtin_images(tmp_path):
@@ -497,7 +512,7 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
         by_size[img.size][0].append(img)
         by_size[img.size][1].append(json.loads(s["json"]))
     assert sorted(by_size) == sorted(data.buckets(32, 4))
-    assert data.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
+    assert model.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
         {"%dx%d" % size: len(imgs) for size, (imgs, _) in by_size.items()}
     for size, (imgs, attrs) in by_size.items():
         assert sample.grade(imgs, attrs)["all"] >= 0.97, size
@@ -777,16 +792,16 @@ def test_atomic_write_never_leaves_a_torn_file_and_keeps_the_previous_one(tmp_pa
     path, keep = str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt.prev.pt")
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    data.atomic_write(path, lambda f: f.write(b"first"))
+    model.atomic_write(path, lambda f: f.write(b"first"))
     assert open(path, "rb").read() == b"first" and len(synced) == 2  # the file, then its folder
 
     def torn(f):  # half written, then the disk is full
         f.write(b"sec")
         raise OSError(28, "No space left on device")
     with pytest.raises(OSError, match="No space"):
-        data.atomic_write(path, torn, keep=keep)
+        model.atomic_write(path, torn, keep=keep)
     assert open(path, "rb").read() == b"first" and sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no .tmp left
-    data.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
+    model.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
     assert open(path, "rb").read() == b"second" and open(keep, "rb").read() == b"first"
 
 
@@ -1620,8 +1635,9 @@ def test_converter_buckets_keep_each_photos_aspect_ratio_upright_and_never_upsam
     from sklearn.datasets import load_sample_images  # a real 640 x 427 photo shipped inside scikit-learn
     photo, src = Image.fromarray(load_sample_images().images[0]), tmp_path / "photos"
     src.mkdir()
-    upright = {"wide": photo, "tall": photo.transpose(Image.Transpose.ROTATE_270), "square": photo.crop((0, 0, 427, 427)),
-               "panorama": photo.crop((0, 100, 640, 300)), "small": photo.resize((60, 40))}
+    upright = {"wide": photo, "tall": photo.transpose(Image.Transpose.ROTATE_270),
+               "square": photo.crop((0, 0, 427, 427)), "panorama": photo.crop((0, 100, 640, 300)),
+               "small": photo.resize((60, 40))}
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 degrees clockwise to view": stored wide, a tall picture once upright
     photo.save(src / "tall.jpg", exif=exif, quality=100)

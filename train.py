@@ -26,7 +26,7 @@ import data
 import flow
 import moe
 import sample
-from model import DiT, TextEncoder, count_params, device, load_vae
+from model import DiT, TextEncoder, append_json, atomic_write, count_params, device, load_vae, read_json, write_json
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
@@ -38,7 +38,7 @@ TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_dr
 def get_parser():
     p = argparse.ArgumentParser(description="Train a text-to-image MM-DiT with rectified flow.")
     a = p.add_argument
-    a("--data", default=data.BUILTIN, help="shards: a folder or .tar,.tar; 'builtin' shapes, 'builtin-mixed' (5 aspects)")
+    a("--data", default=data.BUILTIN, help="shards (a folder or a.tar,b.tar), 'builtin' or 'builtin-mixed' (5 aspects)")
     a("--text-encoder", default="minilm", help="'minilm' (offline, a pip package) or a CLIP hub id or folder")
     a("--text-cache", type=int, default=100_000, help="distinct captions whose states stay cached (CPU, fp16)")
     a("--vae", default="none", help="'none' = pixels, or a frozen diffusers AutoencoderKL: hub id or folder")
@@ -208,7 +208,7 @@ def start(args):
     """Run folder, data check, set-up, resume or args.json, log.jsonl, the banner -> the Run."""
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
-    pre = data.read_json(os.path.join(os.path.dirname(shards[0]), "precompute.json"))  # `data.py precompute`d?
+    pre = read_json(os.path.join(os.path.dirname(shards[0]), "precompute.json"))  # `data.py precompute`d?
     if pre and (pre["vae"], pre["text_encoder"], pre["image_size"]) != (args.vae, args.text_encoder, args.image_size):
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
@@ -224,9 +224,9 @@ def start(args):
         if master:
             print(f"resumed from {args.out}/{name} at step {run.step}" +
                   "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
-            data.append_json(run.log, dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
+            append_json(run.log, dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
-        data.write_json(os.path.join(args.out, "args.json"), vars(args))
+        write_json(os.path.join(args.out, "args.json"), vars(args))
     (total, active), batch = count_params(run.model), run.world * args.grad_accum * args.batch_size
     if master:
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
@@ -389,7 +389,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
             rec["bad_step"] = True
         if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
             rec.update(balance_loss=balance_sum / run.world, routing=moe.routing_stats(run.model))
-        data.append_json(run.log, rec)
+        append_json(run.log, rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
         end(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite loss or gradient norm "
@@ -419,7 +419,7 @@ def save_checkpoint(run, args):
     if run.ckpt_step is None and os.path.exists(prev):  # another run's, left in this folder: never a fallback
         os.remove(prev)
     try:
-        data.atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
+        atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
                           keep=prev if run.ckpt_step is not None else None)
     except OSError as e:
         print(f"warning: checkpoint of step {run.step} not written ({e}); training goes on and the next save "
@@ -497,7 +497,7 @@ def sample_grid(run, args, ema):
         path = os.path.join(args.out, "samples", f"step_{run.step:06d}.png")
         acc = sample.evaluate(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
                               args.t_shift, judge=run.judged, size=run.buckets)[0]
-        data.append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
+        append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
         sample.plot_run(args.out)
 
 
@@ -519,7 +519,7 @@ def final_evaluation(args, run, signals):
         grid = os.path.join(args.out, "samples", "eval.png")
         scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n, args.sample_steps,
                                           args.cfg, args.seed, args.t_shift, fid=True, size=run.buckets)
-        data.append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
+        append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
         sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
     sample.plot_run(args.out)  # with the final scores
     return 0
