@@ -49,20 +49,19 @@ TEMPLATES = ["a {color} {shape} in the {pos}", "{color} {shape}, {pos}",
              "one {color} {shape} located in the {pos}", "a {shape} that is {color}, in the {pos}"]
 HELDOUT_TEMPLATES = ["there is a {color} {shape} in the {pos} of the image", "{pos}: {color} {shape}"]
 BUILTIN = "builtin"  # the default --data; generated on first use into data/shapes<size>-v<VERSION>/
-MIXED = "builtin-mixed"  # the same scenes on canvases of every aspect ratio of `buckets` (data/shapes<size>-mixed-v...)
+MIXED = "builtin-mixed"  # the scenes on canvases of `buckets`' aspect ratios, which a square crop would cut
 VERSION = 2  # bump when the generator changes, so stale shards are never reused
 
 
 def render(color, shape, pos, size=32, rng=None):
-    """Draw one shape (4x supersampled, then box-filtered) -> PIL RGB image of size x size, or (width, height): then
-    the scene is the square one around the centre (positions and sizes in units of the short side), widened."""
+    """Draw one shape (4x supersampled, then box-filtered) -> PIL RGB image of size x size, or (width, height): the
+    position a fraction of each side (the judge's), the shape's size one of the short side."""
     W, H = (size, size) if isinstance(size, int) else size
     rng, S = rng or random.Random(0), 4 * min(W, H)
     grey = rng.randint(0, 60)
     img = Image.new("RGB", (4 * W, 4 * H), (grey, grey, grey))
     fx, fy = POSITIONS[pos]
-    ox, oy = (4 * W - S) / 2, (4 * H - S) / 2  # the central square's corner
-    cx, cy = ox + (fx + rng.uniform(-0.03, 0.03)) * S, oy + (fy + rng.uniform(-0.03, 0.03)) * S
+    cx, cy = (fx + rng.uniform(-0.03, 0.03)) * 4 * W, (fy + rng.uniform(-0.03, 0.03)) * 4 * H
     r = rng.uniform(0.19, 0.25) * S  # half extent: big enough that corners tell square from circle
     draw, box = ImageDraw.Draw(img), [cx - r, cy - r, cx + r, cy + r]
     if shape == "circle":
