@@ -395,7 +395,19 @@ class Pick(torch.nn.Module):
 
 
 def feature_nets(spec, weights=None):
-    """--features -> (network for FID, network for IS), both on the CPU, both taking uint8 (N, 3, H, W)."""
+    """--features -> (network for FID, network for IS), both on the CPU, both taking uint8 (N, 3, H, W). Where
+    torchvision imports, torch-fidelity's InceptionV3 traces once into a `--features` file that runs anywhere:
+
+        import torch
+        from torchmetrics.image.fid import NoTrainInceptionV3
+        class Both(torch.nn.Module):  # uint8 images -> (pool3 features, unbiased logits)
+            def __init__(self):
+                super().__init__()
+                self.net = NoTrainInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"])
+            def forward(self, x):
+                return self.net._torch_fidelity_forward(x)
+        torch.jit.save(torch.jit.trace(Both(), torch.zeros(2, 3, 32, 32, dtype=torch.uint8)), "inception.pt")
+    """
     if spec != "inception":
         try:
             net = torch.jit.load(spec, map_location="cpu").eval()
@@ -411,7 +423,7 @@ def feature_nets(spec, weights=None):
                          f"needs `pip install torch-fidelity` (which needs a torchvision matching your torch) and "
                          f"its weights: --inception-weights FILE, or weights-inception-2015-12-05-6726825d.pth in "
                          f"{torch.hub.get_dir()}/checkpoints. Or, where that works, export it once with "
-                         f"torch.jit.trace and pass --features FILE.pt (README: how).") from e
+                         f"torch.jit.trace and pass --features FILE.pt (sample.feature_nets' docstring: how).") from e
 
 
 @torch.no_grad()
