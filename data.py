@@ -394,7 +394,7 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
             f"fewer --workers or ranks, or more data.")
 
 
-# ==== What a first read may skip: the offline tools (converter, emoji, precompute) and their command line =========
+# ==== What a first read may skip: the offline tools (converter, emoji, precompute) and their command line =============
 def list_images(src):
     """Image folder (captions in sidecar .txt, stripped) or a .csv / .jsonl of path,caption (paths relative to that
     file's folder) -> [(path, caption)]; caption None where there is none."""

@@ -1,7 +1,7 @@
 """model.py -- the MM-DiT: a text-conditioned Diffusion Transformer with two token streams (SD3's MM-DiT).
 
   * patchify: an image (B, C, H, W) becomes N = (H/p)(W/p) tokens (B, N, D) + learned positions: the centre crop
-    of a table big enough for 1:2 and 2:1 (SD3's), so pictures of every aspect ratio share one centre;
+    of a table big enough for 1:2 and 2:1 (SD3's), so every aspect ratio shares one centre (to half a patch);
   * conditioning: t~ = MLP(sinusoidal(t)) + Linear(masked mean of the text tokens) drives every adaLN
     (LayerNorm, then a scale and shift computed from t~, zero-initialised: DiT's adaLN-Zero);
   * per stream (text c, image x, each its own weights): h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE

@@ -103,13 +103,14 @@ def evaluate(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1
     """Every held-out prompt (built-in shapes), or every name of a names set, n_each times, at `size` (draw) -> the
     grid PNG and (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID with `fid`) for
     names. A list of sizes (buckets): each in turn, grid_WxH.png, the mean scores and each bucket's under "WxH"."""
-    if isinstance(size, (list, dict)):  # (a dict: its keys)
+    if isinstance(size, (list, dict)):  # buckets (a dict: its keys), each in turn: "WxH" -> (scores, fake, captions)
         per = {"%dx%d" % b: evaluate(model, encoder, vae, names, grid.replace(".png", "_%dx%d.png" % b), n_each, steps,
                                      cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
-        scores = [p[0] for p in per.values()]
-        mean = {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]} if scores[0] else None
-        return mean and dict(mean, **{k: p[0] for k, p in per.items()}), [x for p in per.values() for x in p[1]], \
-            [c for p in per.values() for c in p[2]]
+        scores = None
+        if all(p[0] for p in per.values()):  # the mean over the buckets, and each bucket's own
+            scores = {k: sum(p[0][k] for p in per.values()) / len(per) for k in next(iter(per.values()))[0]}
+            scores.update((k, p[0]) for k, p in per.items())
+        return scores, [x for p in per.values() for x in p[1]], [c for p in per.values() for c in p[2]]
     if names:
         want = torch.arange(len(names["names"])).repeat_interleave(n_each)
         captions = [names["heldout"].format(name=names["names"][i]) for i in want]
@@ -188,7 +189,7 @@ def main(argv=None):
                          + ("%dx%d" % ((model.n_side * m,) * 2) if not model.buckets else
                             " ".join("%dx%d" % tuple(b) for b in model.buckets)))
     fakes = lambda captions: as_uint8(draw(model, encoder, model.vae, captions, args.steps, args.cfg, args.seed,
-                                                model.t_shift, args.batch, args.size))  # (N, 3, H, W) uint8
+                                           model.t_shift, args.batch, args.size))  # (N, 3, H, W) uint8
     if not args.eval:
         prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                                   "a yellow triangle in the bottom right", "a white circle in the top right"]

@@ -411,7 +411,7 @@ def save_checkpoint(run, args):
     opt = None if tag else moe.reshard(run.model, run.opt.state_dict(), whole=True)
     if run.rank != 0:
         return True
-    ckpt = dict(model=model, ema=ema, opt=opt,
+    ckpt = dict(model=model, ema=ema, opt=opt,  # (DeepSpeed: its optimizer state is in its tag folder)
                 deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
                 bad=run.bad.cpu(), data=positions, buckets=run.buckets and list(run.buckets))
