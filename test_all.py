@@ -425,12 +425,12 @@ def test_buckets_round_each_side_to_its_multiple_and_pictures_go_to_the_nearest_
         assert abs(math.log(b[0] / b[1] / (w / h))) == best and data.nearest(got, 7 * w, 7 * h) == b
 
 
-def sized_shards(folder, counts, batch_of_each=1):
-    """Shards of plain pictures of the given sizes (`counts`: one list of (W, H) per shard), each captioned with its
-    own size and number, and manifest.json's per-bucket counts as the converter writes them."""
+def sized_shards(folder, sizes_per_shard):
+    """Shards of plain pictures of the given sizes (one list of (W, H) per shard), each captioned with its own size
+    and number, and manifest.json's per-bucket counts as the converter writes them."""
     os.makedirs(folder)
     sizes = collections.Counter()
-    for k, shard in enumerate(counts):
+    for k, shard in enumerate(sizes_per_shard):
         samples = []
         for i, (w, h) in enumerate(shard):
             buf = io.BytesIO()
@@ -504,7 +504,7 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
         assert [named(data.COLORS), named(data.SHAPES), named(data.POSITIONS)] == \
             [[a["color"]], [a["shape"]], [a["position"]]], (a, words)
     assert sample.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
-    # builtin-mixed: the same scenes widened to every bucket, positions in the central square: graded alike
+    # builtin-mixed: pictures of every bucket, each position a fraction of the width and height: graded alike
     mixed = data.make_builtin(str(tmp_path / "mixed"), n_shards=1, per_shard=1000, seed=7, mixed=True)
     by_size = collections.defaultdict(lambda: ([], []))
     for s in wds.tarfile_samples({"url": u} for u in mixed):
@@ -645,7 +645,7 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
 @pytest.mark.parametrize("mixed", [False, True])
 def test_resume_is_bit_identical(tmp_path, monkeypatch, mixed):
     # 2 shards x 40 samples, 2 workers, batch 16: 4 batches an epoch, so 12 steps cross 2 epochs; mixed: pictures of
-    # 5 aspect ratios, batches of 4 of one bucket, the step-5 checkpoint holds samples waiting in the buckets' pools
+    # 5 aspect ratios, batches of 4 of one bucket; its checkpoints hold samples waiting in the buckets' pools
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40, mixed=mixed)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "12", "--ckpt-every", "5",
                     "--workers", "2"] + ["--batch-size", "4"] * mixed
