@@ -273,11 +273,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.sizes, self.cum, self.first = list(shares), list(itertools.accumulate(shares.values())), first
         self.shards, self.B, self.buffer, self.resume = list(shards), batch_size, buffer, resume or {}
         self.seed, self.epoch, self.rank, self.world = seed, epoch, rank, world
+        self.u0 = random.Random(f"buckets-{seed}").random()  # where bucket()'s sequence starts
 
     def bucket(self, n):
         """The bucket of this rank's n-th batch: the same on every rank (so DDP's ranks step in one shape), a golden-
         ratio sequence u_n = frac(u_0 + n / phi) over the buckets' shares, so any run of batches keeps those shares."""
-        u = (random.Random(f"buckets-{self.seed}").random() + n * 0.6180339887498949) % 1
+        u = (self.u0 + n * 0.6180339887498949) % 1
         return self.sizes[min(bisect.bisect(self.cum, u * self.cum[-1]), len(self.sizes) - 1)]
 
     def __iter__(self):
@@ -315,11 +316,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         return True
 
     def pass_over(self, stream, done, wid, pools):
-        """Resume: read the worker's `raw` consumed samples again, decoding only the `pooled` ones (read, not yet
-        batched) back into their pools, then yield `batches` placeholders, so the DataLoader interleaves the workers
-        exactly as before, at the cost of a tar read."""
+        """Resume: re-read the worker's `raw` consumed samples, decoding only the `pooled` ones back into their pools,
+        then yield `batches` placeholders, so the DataLoader interleaves the workers exactly as before."""
+        pooled = set(done["pooled"])  # (a set: an epoch's raw count times the pool would be slow at scale)
         for i, s in zip(range(1, done["raw"] + 1), stream):
-            if i in done["pooled"]:
+            if i in pooled:
                 item = decode(s, self.sizes)
                 pools[item["bucket"]].append((i, item))
         for _ in range(done["batches"]):
