@@ -266,6 +266,22 @@ def test_flow_endpoints_and_target_sign():
     assert flow.flow_loss(wrong, x0, None, None, t, eps)[0].item() > 1.0
 
 
+def test_contrastive_flow_matching_subtracts_lambda_times_the_error_against_the_next_samples_target():
+    x0, eps, v = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8, requires_grad=True)
+    t, a = flow.sample_t(4), eps - x0
+    loss, per = flow.flow_loss(lambda *_: v, x0, None, None, t, eps, contrast=0.05)
+    plain = ((v - a) ** 2).mean(dim=(1, 2, 3))
+    assert torch.allclose(per, plain)  # the logged per-sample loss is the plain one
+    other = ((v - a[[3, 0, 1, 2]]) ** 2).mean()  # sample i is pushed from sample i-1's target
+    assert torch.allclose(loss, plain.mean() - 0.05 * other)
+    # the identity of the docstring: its minimum is at (a - lambda b) / (1 - lambda), b the other sample's target
+    best = (a - 0.05 * a[[3, 0, 1, 2]]) / 0.95
+    (grad,) = torch.autograd.grad(flow.flow_loss(lambda *_: best.requires_grad_(), x0, None, None, t, eps, 0.05)[0],
+                                  best)
+    assert grad.abs().max() < 1e-6
+    assert flow.flow_loss(lambda *_: v, x0, None, None, t, eps)[0].item() == pytest.approx(plain.mean().item())
+
+
 def test_time_distributions():
     g = torch.Generator().manual_seed(0)
     u, ln = flow.sample_t(20000, "uniform", g), flow.sample_t(20000, "logit-normal", g)
@@ -274,8 +290,8 @@ def test_time_distributions():
     assert torch.allclose(torch.logit(ln).std(), torch.tensor(1.0), atol=0.03)
 
 
-def test_time_shift_and_distribution_reach_the_training_step_and_the_sampler_uses_the_runs_shift(tmp_path, builtin16,
-                                                                                                 monkeypatch):
+def test_time_shift_distribution_and_contrast_reach_the_training_step_and_the_sampler_uses_the_shift(
+        tmp_path, builtin16, monkeypatch):
     t = torch.linspace(0, 1, 101)
     assert flow.shift_t(t, 1.0) is t and torch.equal(flow.shift_t(t, 3.0)[[0, -1]], torch.tensor([0.0, 1.0]))
     assert torch.allclose(flow.shift_t(torch.tensor(0.5), 3.0), torch.tensor(0.75))  # 3 * .5 / (1 + 2 * .5)
@@ -289,13 +305,17 @@ def test_time_shift_and_distribution_reach_the_training_step_and_the_sampler_use
     times, real_forward = [], DiT.forward  # the times the model is fed, in training and in sampling
     monkeypatch.setattr(DiT, "forward", lambda self, x, t, *a: times.append(t.detach().float()) or
                         real_forward(self, x, t, *a))
+    contrast, real_loss = [], flow.flow_loss  # --contrast reaches the loss too
+    monkeypatch.setattr(flow, "flow_loss", lambda *a: contrast.append(a[-1]) or real_loss(*a))
     fed = {}
-    for name, extra in (("shift", ["--t-shift", "3"]), ("plain", []), ("uniform", ["--t-dist", "uniform"])):
+    for name, extra in (("shift", ["--t-shift", "3"]), ("plain", []),
+                        ("uniform", ["--t-dist", "uniform", "--contrast", "0.05"])):
         times.clear()
         train.main(TINY + ["--image-size", "16", "--steps", "2", "--batch-size", "64", "--out", str(tmp_path / name),
                            *extra])
         assert [len(t) for t in times[:2]] == [64, 64]  # the 2 training steps (then the last grid's sampling)
         fed[name] = torch.cat(times[:2])
+    assert contrast == [0.0] * 4 + [0.05] * 2
     assert torch.allclose(fed["shift"], flow.shift_t(fed["plain"], 3.0))  # same draws
     edges = lambda t: ((t < 0.1) | (t > 0.9)).sum().item()  # uniform: 20% of draws; logit-normal: 2.8%
     assert edges(fed["uniform"]) > 12 > edges(fed["plain"]), (edges(fed["uniform"]), edges(fed["plain"]))

@@ -30,8 +30,8 @@ from model import DiT, TextEncoder, append_json, atomic_write, count_params, dev
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
-TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "cfg_drop", "ema", "precision", "bias_rate",
-                           "text_encoder", "vae", "image_size")  # --resume refuses a change to these (see --override)
+TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop", "ema", "precision",
+                           "bias_rate", "text_encoder", "vae", "image_size")  # --resume refuses changes (--override)
 
 
 # ---- Flags ----------------------------------------------------------------------------------------------------------
@@ -64,6 +64,7 @@ def get_parser():
     a("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay to zero")
     a("--t-dist", default="logit-normal", choices=["uniform", "logit-normal"], help="training time distribution")
     a("--t-shift", type=float, default=1.0, help="SD3's time shift s of training and sampling times; 1 = none")
+    a("--contrast", type=float, default=0.0, help="contrastive flow matching weight lambda (0 = plain flow matching)")
     a("--cfg-drop", type=float, default=0.1, help="probability of training on the null caption (for guidance)")
     a("--ema", type=float, default=0.995, help="EMA decay of the weights used for sampling")
     a("--precision", choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
@@ -258,7 +259,7 @@ def train_step(run, args, micro, mark=None):
         quiet = run.engine is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
         with run.fwd.no_sync() if quiet else contextlib.nullcontext():
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps)
+                loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps, args.contrast)
                 balance_i = moe.balance_loss(run.model, W > 1).to(loss_i.device)  # (0 for a dense model)
             mark("forward")
             if run.engine is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
@@ -457,7 +458,8 @@ def read_checkpoint(out, dev, rank=0):
 def load_checkpoint(run, args):
     """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
     name, ckpt = read_checkpoint(args.out, run.dev, run.rank)
-    changed = {k: (ckpt["args"][k], getattr(args, k)) for k in TRAJECTORY if ckpt["args"][k] != getattr(args, k)}
+    saved = ckpt["args"]
+    changed = {k: (saved.get(k), getattr(args, k)) for k in TRAJECTORY if saved.get(k) != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in args.override}
     if refused:
         raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" + "".join(
