@@ -7,6 +7,7 @@
     python profile.py --compare ep=1,2 --moe 8       # 2 ranks each: experts split, the all-to-all as its own phase
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
     python profile.py suite                          # every claim of the README on this device, one table each
+    python profile.py recipe --compare lr=1e-3,2e-3  # train the shapes and the emoji, each value: scores side by side
 
 Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the default run with
 one flag flipped". Each measurement runs in a fresh process, so memory is clean; settings alternate and repeat, so
@@ -56,9 +57,11 @@ def get_args(argv=None):
     p = train.get_parser()
     p.description = "Profile one training step of train.py, or compare two settings of one flag."
     a = p.add_argument
-    a("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader", "suite"], help="compute: the "
-      "model step on a fixed batch; full: the real loop (data wait, frozen encoders, step); dataloader: the input "
-      "pipeline alone vs the model; suite: every one-flag comparison of the README, sized for the device found")
+    a("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader", "suite", "recipe"],
+      help="compute: the model step on a fixed batch; full: the real loop (data wait, frozen encoders, step); "
+      "dataloader: the input pipeline alone vs the model; suite: every one-flag comparison of the README, sized for "
+      "the device found; recipe: whole training runs on the built-in shapes and the emoji, their scores and times")
+    a("--emoji", default="data/emoji", help="recipe: the emoji set (`python data.py emoji DIR` writes it if missing)")
     a("--claims", default="all", help="suite: comma-separated subset of " + ",".join(CLAIMS))
     a("--synthetic", help="random inputs of shape C,SIDE,L,DTEXT instead of built-in images (e.g. 4,64,77,768: "
       "SD-VAE latents of 512 px and CLIP-L text states)")
@@ -415,9 +418,43 @@ def suite(args):
     return md
 
 
+def recipe(args, argv):
+    """Whole `train.py` runs with these flags (each --compare value in turn) on the built-in shapes and on the emoji
+    set -> one table of their final scores and wall times (data, start-up and evaluation included), so a change of
+    defaults is seen on both kinds of data at once. Runs go to <out>/recipe/; the table also to recipe.md."""
+    if not os.path.exists(os.path.join(args.emoji, "names.json")):
+        subprocess.run([sys.executable, "data.py", "emoji", args.emoji], check=True)  # (it says if the font is missing)
+    flag, values = args.compare.split("=", 1) if args.compare else ("", "defaults")
+    base = strip(argv, {"--compare", "--emoji", "--out", "--json", "--data"}, {"recipe", "--markdown"})
+    md = ["| flags | shapes: all three | minutes | emoji: top-1 | top-5 | sharpness ÷ real | minutes |",
+          "|---" * 7 + "|"]
+    for v in values.split(","):
+        extra = [] if not flag or v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
+        row = []
+        for name, where in (("shapes", data.BUILTIN), ("emoji", args.emoji)):
+            out = os.path.join(args.out, "recipe", f"{name}{'_' + v if flag else ''}".replace(os.sep, "_"))
+            print(f"recipe: python train.py {' '.join(base + extra)} --data {where} --out {out}", flush=True)
+            start = time.time()
+            subprocess.run([sys.executable, "train.py", *base, *extra, "--data", where, "--out", out], check=True)
+            minutes = (time.time() - start) / 60
+            with open(os.path.join(out, "log.jsonl")) as f:
+                final = [json.loads(line) for line in f if '"eval"' in line][-1]["eval"]
+            row += ([f"{final['all']:.1%}"] if name == "shapes" else
+                    [f"{final['top1']:.1%}", f"{final['top5']:.1%}", f"{final['sharpness']:.2f}"]) + [f"{minutes:.1f}"]
+        md.append(f"| {' '.join(base + extra) or 'defaults'} | " + " | ".join(row) + " |")
+    md.append(f"(targets: shapes at least 95% in 10 minutes; emoji top-1 at least 90%, sharpness at most 1.15; "
+              f"{'CUDA' if device() == 'cuda' else f'CPU, {torch.get_num_threads()} threads'})")
+    print("\n".join(md), flush=True)
+    with open(os.path.join(args.out, "recipe", "recipe.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return md
+
+
 if __name__ == "__main__":
     args = get_args()
-    if args.mode == "suite":
+    if args.mode == "recipe":
+        recipe(args, sys.argv[1:])
+    elif args.mode == "suite":
         suite(args)
     elif args.compare:
         compare(args, sys.argv[1:])

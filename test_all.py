@@ -2016,10 +2016,25 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     assert s_speckled > 1.2 and sample.score_names(blurred, want, names, fid=False)["sharpness"] < 0.8
 
 
-def test_training_on_the_emoji_set_logs_retrieval_and_sample_eval_scores_it(tmp_path, emoji_set, capsys):
-    out, run = emoji_set[0], str(tmp_path / "run")
-    train.main(TINY + ["--data", out, "--image-size", "16", "--steps", "4", "--sample-every", "2", "--eval-n", "1",
-                       "--out", run])
+def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_rescores_the_emoji(tmp_path, emoji_set,
+                                                                                                  builtin16, capsys):
+    out, flags = emoji_set[0], TINY + ["--image-size", "16", "--steps", "4", "--sample-every", "2", "--eval-n", "1"]
+    r = subprocess.run([sys.executable, "profile.py", "recipe", *flags, "--emoji", out, "--compare", "cfg-drop=0.2",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split(" | ") for l in r.stdout.splitlines() if l.startswith("| --")]
+    for v, row in zip(["0.2"], rows):  # each row: that setting's own runs, their own final scores
+        runs = {k: str(tmp_path / "recipe" / f"{k}_{v}") for k in ("shapes", "emoji")}
+        final = {k: [json.loads(l) for l in open(os.path.join(d, "log.jsonl"))][-1]["eval"] for k, d in runs.items()}
+        assert row[0].endswith(f"--cfg-drop {v}") and row[1] == f"{final['shapes']['all']:.1%}"
+        assert row[3:6] == [f"{final['emoji']['top1']:.1%}", f"{final['emoji']['top5']:.1%}",
+                            f"{final['emoji']['sharpness']:.2f}"] and float(row[2]) > 0 < float(row[6][:-2])
+        for k, d in runs.items():
+            saved = json.load(open(os.path.join(d, "args.json")))
+            assert (saved["data"], saved["steps"], saved["cfg_drop"]) == (out if k == "emoji" else "builtin", 4,
+                                                                           float(v))
+    assert len(rows) == 1 and open(tmp_path / "recipe" / "recipe.md").read().count("| --") == 1
+    run = str(tmp_path / "recipe" / "emoji_0.2")
     log = [json.loads(l) for l in open(os.path.join(run, "log.jsonl"))]
     periodic = next(r for r in log if "sample_acc" in r)
     assert periodic["step"] == 2 and periodic["minutes"] > 0 and 0 <= periodic["sample_acc"]["top1"] <= 1

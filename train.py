@@ -72,7 +72,8 @@ def get_parser():
     a("--grad-ckpt", action="store_true", help="activation checkpointing: recompute each block in the backward")
     a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="under torchrun: DDP or DeepSpeed ZeRO-2")
     a("--seed", type=int, default=0, help="seed of data order, noise, times and caption drop")
-    a("--workers", type=int, default=1, help="data-loader worker processes")
+    a("--workers", type=int, help="data-loader worker processes (default: 1 on a GPU; 0 on a CPU, whose cores the "
+      "step already fills: a worker would only compete, and restart at every epoch of a small set)")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, loss.png, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt")
     a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start (requeued jobs)")
@@ -106,6 +107,7 @@ def get_args(argv=None, parser=None):
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ...")
     if args.ep > 1 and (args.dist != "ddp" or (args.moe or 1) % args.ep or int(os.environ["WORLD_SIZE"]) % args.ep):
         p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed) and --moe E, with E and the ranks multiples of it")
+    args.workers = (1 if torch.cuda.is_available() else 0) if args.workers is None else args.workers
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
@@ -269,7 +271,7 @@ def train_step(run, args, micro, mark=None):
             mark("backward")
         if run.engine is not None:  # reduce-scatter, clip, step its partition: only at the last micro-batch
             run.engine.step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
-        loss, balance = loss + loss_i.detach() / N, balance + balance_i.detach() / N
+        loss, balance = loss + per_i.detach().mean() / N, balance + balance_i.detach() / N  # (the plain flow loss)
         t.append(t_all[mine])
         per_sample.append(per_i.detach())
     moe.reduce_expert_grads(run.model, W)  # --ep: the experts' gradients, as DDP's mean would give them
