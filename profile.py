@@ -433,7 +433,7 @@ def recipe(args, argv):
         row = []
         for name, where in (("shapes", data.BUILTIN), ("emoji", args.emoji)):
             out = os.path.join(args.out, "recipe", f"{name}{'_' + v if flag else ''}".replace(os.sep, "_"))
-            print(f"recipe: python train.py {' '.join(base + extra)} --data {where} --out {out}", flush=True)
+            print("recipe: python train.py " + " ".join(base + extra + ["--data", where, "--out", out]), flush=True)
             start = time.time()
             subprocess.run([sys.executable, "train.py", *base, *extra, "--data", where, "--out", out], check=True)
             minutes = (time.time() - start) / 60
