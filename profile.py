@@ -422,8 +422,9 @@ def recipe(args, argv):
     """Whole `train.py` runs with these flags (each --compare value in turn) on the built-in shapes and on the emoji
     set -> one table of their final scores and wall times (data, start-up and evaluation included), so a change of
     defaults is seen on both kinds of data at once. Runs go to <out>/recipe/; the table also to recipe.md."""
-    if not os.path.exists(os.path.join(args.emoji, "names.json")):
-        subprocess.run([sys.executable, "data.py", "emoji", args.emoji], check=True)  # (it says if the font is missing)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(os.path.join(args.emoji, "names.json")):  # (data.py says so if the font is missing)
+        subprocess.run([sys.executable, os.path.join(here, "data.py"), "emoji", args.emoji], check=True)
     flag, values = args.compare.split("=", 1) if args.compare else ("", "defaults")
     base = strip(argv, {"--compare", "--emoji", "--out", "--json", "--data"}, {"recipe", "--markdown"})
     md = ["| flags | shapes: all three | minutes | emoji: top-1 | top-5 | sharpness ÷ real | minutes |",
@@ -433,9 +434,10 @@ def recipe(args, argv):
         row = []
         for name, where in (("shapes", data.BUILTIN), ("emoji", args.emoji)):
             out = os.path.join(args.out, "recipe", f"{name}{'_' + v if flag else ''}".replace(os.sep, "_"))
-            print("recipe: python train.py " + " ".join(base + extra + ["--data", where, "--out", out]), flush=True)
+            flags = base + extra + ["--data", where, "--out", out]
+            print("recipe: python train.py " + " ".join(flags), flush=True)
             start = time.time()
-            subprocess.run([sys.executable, "train.py", *base, *extra, "--data", where, "--out", out], check=True)
+            subprocess.run([sys.executable, os.path.join(here, "train.py"), *flags], check=True)
             minutes = (time.time() - start) / 60
             with open(os.path.join(out, "log.jsonl")) as f:
                 final = [json.loads(line) for line in f if '"eval"' in line][-1]["eval"]

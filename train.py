@@ -2,9 +2,8 @@
 
 In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule) -> one training step -> the loop,
 whose outline is main(); after one banner, what a first read may skip: logging, checkpoints, evaluation, signals,
-exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off the RANK variable; profile.py and the
-tests reuse its parser and step. Resume is exact: a checkpoint holds model, EMA, optimizer, schedule, step, flags,
-every RNG state and each rank's data.Position.
+exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off RANK; profile.py and the tests reuse
+its parser and step. Resume is exact: a checkpoint holds every state, RNGs and each rank's data.Position included.
 """
 import argparse
 import contextlib
@@ -72,8 +71,7 @@ def get_parser():
     a("--grad-ckpt", action="store_true", help="activation checkpointing: recompute each block in the backward")
     a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="under torchrun: DDP or DeepSpeed ZeRO-2")
     a("--seed", type=int, default=0, help="seed of data order, noise, times and caption drop")
-    a("--workers", type=int, help="data-loader worker processes (default: 1 on a GPU; 0 on a CPU, whose cores the "
-      "step already fills: a worker would only compete, and restart at every epoch of a small set)")
+    a("--workers", type=int, default=int(torch.cuda.is_available()), help="loader processes (CPU: 0, cores are busy)")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, loss.png, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt")
     a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start (requeued jobs)")
@@ -107,7 +105,6 @@ def get_args(argv=None, parser=None):
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ...")
     if args.ep > 1 and (args.dist != "ddp" or (args.moe or 1) % args.ep or int(os.environ["WORLD_SIZE"]) % args.ep):
         p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed) and --moe E, with E and the ranks multiples of it")
-    args.workers = (1 if torch.cuda.is_available() else 0) if args.workers is None else args.workers
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
@@ -460,8 +457,7 @@ def read_checkpoint(out, dev, rank=0):
 def load_checkpoint(run, args):
     """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
     name, ckpt = read_checkpoint(args.out, run.dev, run.rank)
-    saved = ckpt["args"]
-    changed = {k: (saved.get(k), getattr(args, k)) for k in TRAJECTORY if saved.get(k) != getattr(args, k)}
+    changed = {k: (v, getattr(args, k)) for k in TRAJECTORY if (v := ckpt["args"].get(k)) != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in args.override}
     if refused:
         raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" + "".join(
