@@ -43,7 +43,7 @@ def get_args(argv=None):
     a("--n", type=int, default=4, help="samples per prompt")
     a("--size", help="WxH pixels to draw, e.g. 44x24 (default: the training square; --eval: each trained bucket)")
     a("--steps", type=int, default=25, help="Euler steps, t=1 (noise) to t=0")
-    a("--cfg", type=float, default=3.0, help="classifier-free guidance scale w (1 = none, 0 = ignore the caption)")
+    a("--cfg", type=float, default=2.0, help="classifier-free guidance scale w (1 = none, 0 = ignore the caption)")
     a("--seed", type=int, default=0, help="noise seed (same seed, same pictures)")
     a("--out", help="PNG path (default: next to the checkpoint)")
     a("--eval", action="store_true", help="score samples (judge, names set, --real, --clip-model); last line: JSON")

@@ -615,7 +615,8 @@ def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beat
     """What the model draws for a caption, graded by the judge on every held-out prompt: a sampler that guides away
     from the caption (caption and null caption swapped) scores at or below the caption-blind samples."""
     final = next(json.loads(l)["eval"] for l in open(os.path.join(trained16, "log.jsonl")) if '"eval"' in l)
-    assert train.get_args(["--out", "/nonexistent"]).cfg == 3.0  # (the final evaluation's guidance: the default)
+    ckpt = os.path.join(trained16, "ckpt.pt")  # the default guidance of the final evaluation and of sample.py:
+    assert train.get_args(["--out", "/nonexistent"]).cfg == sample.get_args(["--ckpt", ckpt]).cfg == 2.0
     model, encoder, _ = sample.load(os.path.join(trained16, "ckpt.pt"))
     grade = lambda cfg: sample.evaluate(model, encoder, None, None, str(tmp_path / "g.png"), 1, 4, cfg, 0,
                                         model.t_shift)[0]
@@ -733,10 +734,10 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     acc = json.loads(r.stdout.strip().splitlines()[-1])
-    assert acc["n"] == 90 and (acc["steps"], acc["cfg"]) == (4, 3.0)
+    assert acc["n"] == 90 and (acc["steps"], acc["cfg"]) == (4, 2.0)
     # the same EMA, prompts, noise (seed 0), steps and guidance as train.py's final evaluation: the same grades
     assert len(final) == 1 and {k: acc[k] for k in final[0]} == final[0], (acc, final)
-    same = [np.asarray(Image.open(os.path.join(trained16, f))) for f in ("samples/eval.png", "eval_4steps_cfg3.png")]
+    same = [np.asarray(Image.open(os.path.join(trained16, f))) for f in ("samples/eval.png", "eval_4steps_cfg2.png")]
     assert np.array_equal(*same)  # and the same pictures: train.py's final grid, pixel for pixel
     r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--prompt", "a red circle", "--n", "3", "--steps",
                         "2", "--batch", "2", "--seed", "7", "--out", str(tmp_path / "g.png")], cwd=ROOT,
@@ -744,10 +745,10 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
     assert r.returncode == 0 and Image.open(tmp_path / "g.png").size == (3 * 16 * 2, 16 * 2), r.stderr[-3000:]
     # --batch 2: two chunks, the second with the noise of --seed + 2; the grid is exactly these samples
     model, encoder, _ = sample.load(ckpt)
-    drawn = sample.draw(model, encoder, None, ["a red circle"] * 3, 2, 3.0, 7, model.t_shift, batch=2)
+    drawn = sample.draw(model, encoder, None, ["a red circle"] * 3, 2, 2.0, 7, model.t_shift, batch=2)
     sample.save_grid([sample.to_pil(x) for x in sample.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "g.png")), np.asarray(Image.open(tmp_path / "h.png")))
-    last = sample.draw(model, encoder, None, ["a red circle"], 2, 3.0, 9, model.t_shift)
+    last = sample.draw(model, encoder, None, ["a red circle"], 2, 2.0, 9, model.t_shift)
     assert torch.equal(drawn[2:], last) and not torch.equal(drawn[:1], last)
 
 

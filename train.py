@@ -80,7 +80,7 @@ def get_parser():
     a("--log-every", type=int, default=10, help="steps between log lines: the only steps that read the device")
     a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
-    a("--cfg", type=float, default=3.0, help="guidance scale w of sample grids and the final evaluation")
+    a("--cfg", type=float, default=2.0, help="guidance scale w of sample grids and the final evaluation")
     a("--sample-steps", type=int, default=25, help="Euler steps of sample grids and the final evaluation")
     a("--eval-n", type=int, default=2, help="final evaluation: samples per held-out prompt or name (0 = none)")
     return p
