@@ -1131,6 +1131,10 @@ def test_compiled_moe_compiles_once_and_never_recompiles(impl, precision, tmp_pa
         graphs.append(counters["stats"]["unique_graphs"])
         return real(S, *a)
     monkeypatch.setattr(train, "train_step", step)
+    # graphs and recompiles are dynamo's, whatever the backend: aot_eager traces the same graphs through AOT autograd,
+    # without inductor's code generation (~2 min on a cold cache here; `python profile.py suite` runs inductor)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m: compile_(m, backend="aot_eager"))
     flags = TINY + ["--image-size", "16", "--moe", "4", "--moe-impl", impl, "--precision", precision, "--steps", "8",
                     "--log-every", "4"]
     train.main(flags + ["--compile", "--out", str(tmp_path / "run")])
