@@ -1245,7 +1245,7 @@ def test_profile_modes_write_json_and_trace_and_count_every_moe_dispatchs_flops_
         assert res["flops_per_step"] > 0 and "traceEvents" in json.load(open(res["trace"]))
     assert res["loader_img_per_s"] > 0 and res["loader_over_model"] > 0
     # the counter has no formula for grouped_mm: profile.py counts the sorted dispatch's matmuls for it, so every
-    # dispatch reports the same useful FLOPs (the MoE claims' tables compare them per FLOP)
+    # dispatch reports the same useful FLOPs (the GFLOP/s and MFU of the MoE claims' tables divide by them)
     flops = {impl: prof.measure(prof.get_args(["compute", *tiny, "--moe", "4", "--moe-impl", impl]))["flops_per_step"]
              for impl in ("loop", "sorted", "grouped")}
     assert flops["loop"] == flops["sorted"] == flops["grouped"] > 0, flops
