@@ -182,12 +182,24 @@ SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", 
               "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2", *SMALL_TEXT]
 
 
-def sbatch(tmp_path, flags, nproc=1, wait=True, cpus=2):
+def sbatch(tmp_path, flags, nproc=1, cpus=2):
+    """Submit run.slurm with these flags -> the job's id; its log is tmp_path/slurm-<id>.out."""
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    cmd = ["sbatch", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
-    return subprocess.run(cmd + (["--wait"] if wait else ["--parsable"]) + ["run.slurm", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    cmd = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
+    r = subprocess.run(cmd + ["run.slurm", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def wait_for_jobs(jobs, timeout=600):
+    """Wait until Slurm has ended these jobs, requeues included (polling every 0.5 s: `sbatch --wait` looks only
+    every 10 s) -> {job: `scontrol show job` of it (JobState=, ExitCode=, Restarts=)}."""
+    deadline = time.time() + timeout
+    while subprocess.run(["squeue", "-h", "-j", ",".join(jobs)], capture_output=True, text=True).stdout.strip():
+        assert time.time() < deadline, f"jobs {jobs} did not end in {timeout} s"
+        time.sleep(0.5)
+    return {j: subprocess.run(["scontrol", "show", "job", j], capture_output=True, text=True).stdout for j in jobs}
 
 
 def need_slurm():
@@ -1544,12 +1556,14 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
 # -----------------------------------------------------------------------------------------------
 def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     need_slurm()
-    r = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
-    out = "".join(open(p, errors="replace").read() for p in tmp_path.glob("slurm-*.out"))
-    assert r.returncode == 0, out[-3000:]
+    good = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
+    bad = sbatch(tmp_path, ["--attn", "flash"])  # (queued behind the first: each asks for both CPUs)
+    state = wait_for_jobs([good, bad])
+    out = open(tmp_path / f"slurm-{good}.out", errors="replace").read()
+    assert "JobState=COMPLETED" in state[good] and "ExitCode=0:0" in state[good], (state[good], out[-3000:])
     assert "2 ranks x 8 = global batch 16" in out and "parameters identical on all 2 ranks: True" in out
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 4
-    assert sbatch(tmp_path, ["--attn", "flash"]).returncode != 0  # sbatch --wait reports the failure
+    assert "JobState=FAILED" in state[bad], state[bad]  # run.slurm's exit status is the job's
 
 
 def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
@@ -1560,22 +1574,16 @@ def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_run
     flags, jobs = SLURM_TINY + ["--steps", "100", "--log-every", "1", "--ckpt-every", "1000"], {}
     for how, nproc in (("usr1", 2), ("requeue", 1)):
         (tmp_path / how).mkdir()
-        r = sbatch(tmp_path / how, flags + ["--out", str(tmp_path / how / "run")], nproc=nproc, wait=False, cpus=1)
-        jobs[how] = r.stdout.strip().split(";")[0]
-        assert jobs[how], r.stderr
+        jobs[how] = sbatch(tmp_path / how, flags + ["--out", str(tmp_path / how / "run")], nproc=nproc, cpus=1)
     for how, job in jobs.items():
         wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job] if how == "usr1" else ["scontrol", "requeue", job],
                        check=True)
     train.main(flags + ["--out", str(tmp_path / "one")])  # meanwhile: the same runs, uninterrupted
     torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "two")])
-    deadline = time.time() + 600
-    squeue = ["squeue", "-h", "-j", ",".join(jobs.values())]
-    while subprocess.run(squeue, capture_output=True, text=True).stdout.strip():
-        assert time.time() < deadline, "requeued jobs did not finish"
-        time.sleep(1)
+    states = wait_for_jobs(list(jobs.values()))
     for how, ref in (("usr1", "two"), ("requeue", "one")):
-        state = subprocess.run(["scontrol", "show", "job", jobs[how]], capture_output=True, text=True).stdout
+        state = states[jobs[how]]
         out = "".join(open(p, errors="replace").read() for p in (tmp_path / how).glob("slurm-*.out"))
         assert "JobState=COMPLETED" in state and "Restarts=1" in state, (how, state, out[-3000:])
         ckpt = torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True)
