@@ -60,7 +60,8 @@ def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
     return path
 
 
-SMALL_TEXT = ["--text-encoder", one_layer_minilm()]
+SMALL_ENCODER = one_layer_minilm()
+SMALL_TEXT = ["--text-encoder", SMALL_ENCODER]
 TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "--workers", "0",
         "--sample-every", "0", "--eval-n", "0", "--sample-steps", "4", "--log-every", "1", *SMALL_TEXT]
 
@@ -1723,13 +1724,13 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
     raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=2, per_shard=40)
     pre = str(tmp_path / "pre")
     data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16,
-                    text_encoder=SMALL_TEXT[1])
+                    text_encoder=SMALL_ENCODER)
     s = next(iter(wds.tarfile_samples([{"url": os.path.join(pre, "shapes-0000.tar")}])))
     assert {"latent.npy", "text.npy", "mask.npy"} <= set(s)
     first = os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns
     os.remove(os.path.join(pre, "shapes-0001.tar"))  # resumable: only the missing shard is redone
     data.precompute(str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16,
-                    text_encoder=SMALL_TEXT[1])
+                    text_encoder=SMALL_ENCODER)
     assert os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns == first
     assert os.path.exists(os.path.join(pre, "shapes-0001.tar"))
     with pytest.raises(SystemExit, match="resume with those flags"):  # never mixes two encodings
