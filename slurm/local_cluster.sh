@@ -25,6 +25,8 @@ ReturnToService=2
 JobRequeue=1
 # a requeued job waits cred_expire seconds before it starts again (default 120): 10 keeps the tests short
 AuthInfo=cred_expire=10
+# and then waits for a scheduling pass: every 60 s (main loop) or 30 s (backfill) by default; 1-2 s here
+SchedulerParameters=sched_interval=2,bf_interval=1
 MpiDefault=none
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
