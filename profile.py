@@ -242,8 +242,8 @@ def compare(args, argv):
                     n, mode, extra = ("2", "ddp", extra) if flag == "ep" else (n, mode, [])
                     env["OMP_NUM_THREADS"] = "1"
                     cmd = [sys.executable, me, *base, "--json", out] if n == "1" else [
-                        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n, "--master_port",
-                        str(29500 + r), me, *base, *extra, "--dist", mode, "--json", out]
+                        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n,
+                        me, *base, *extra, "--dist", mode, "--json", out]  # (--standalone: a free port)
                 print(f"[{r + 1}/{repeats}] --{flag} {v}", file=sys.stderr, flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:

@@ -1,4 +1,5 @@
-"""test_all.py -- the CPU test suite: `pytest -rs test_all.py` (-rs prints why a test was skipped).
+"""test_all.py -- the CPU test suite: `pytest -n 2 --dist loadgroup -rs test_all.py` (-rs prints why a test was
+skipped; -n 2: two test processes, pytest-xdist; loadgroup keeps the tests of one shared run, an xdist_group, in one).
 
 Each test checks a claim the code or README makes, and fails on a plausible wrong implementation: attention
 implementations agree, the untrained model predicts zero, the flow's signs and the sampler are right, bad data is
@@ -41,6 +42,10 @@ from model import DiT, TextEncoder, count_params, load_vae, sincos_2d
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slurm or emoji font fails, never skips
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # `pytest -n N`: N test processes share the cores
+if WORKERS > 1:  # each takes its share, for itself and the runs it starts (torch alone would take every core each)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
@@ -56,7 +61,12 @@ def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
         tmp = f"{path}.tmp{os.getpid()}"
         enc.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(full).save_pretrained(tmp)
-        os.replace(tmp, path)
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+            shutil.rmtree(path)  # a stale, unfinished folder (a complete one appears whole, by os.replace)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another test process wrote it first
+            shutil.rmtree(tmp)
     return path
 
 
@@ -644,6 +654,7 @@ def test_a_model_trained_on_mixed_aspect_ratios_draws_wide_and_tall_pictures_tha
     assert "--size wide: give width x height in pixels" in capsys.readouterr().err
 
 
+@pytest.mark.xdist_group("trained16")
 def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beats_none(trained16, tmp_path):
     """What the model draws for a caption, graded by the judge on every held-out prompt: a sampler that guides away
     from the caption (caption and null caption swapped) scores at or below the caption-blind samples."""
@@ -659,6 +670,7 @@ def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beat
     assert final["color"] + final["position"] > unguided["color"] + unguided["position"], (final, unguided)
 
 
+@pytest.mark.xdist_group("trained16")
 def test_a_short_run_learns_to_use_the_caption_and_the_time(trained16, builtin16, tmp_path):
     log = [json.loads(l) for l in open(os.path.join(trained16, "log.jsonl"))]
     losses = [r["loss"] for r in log if "loss" in r]
@@ -760,6 +772,7 @@ def test_usr1_or_term_to_python_train_py_checkpoints_and_the_resumed_run_ends_wh
         assert torch.equal(a["model"][name], b["model"][name]), name
 
 
+@pytest.mark.xdist_group("trained16")
 def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16, tmp_path):
     ckpt = os.path.join(trained16, "ckpt.pt")
     final = [json.loads(l)["eval"] for l in open(os.path.join(trained16, "log.jsonl")) if '"eval"' in l]
@@ -896,6 +909,7 @@ def test_upcycle_run_starts_from_the_dense_parent_end_to_end(tmp_path, builtin16
                                                                           parent["blocks.0.x.mlp.w13.weight"].T)
 
 
+@pytest.mark.xdist_group("trained16")
 def test_raw_samples_use_the_trained_weights_and_the_default_the_ema(trained16, tmp_path):
     ckpt_path = os.path.join(trained16, "ckpt.pt")
     ckpt = torch.load(ckpt_path, weights_only=True)
@@ -927,6 +941,7 @@ def test_precision_bf16_runs_the_model_under_bf16_autocast(tmp_path, builtin16, 
     assert dtypes == [torch.bfloat16, torch.float32]
 
 
+@pytest.mark.xdist_group("trained16")
 def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trained16, tmp_path):
     shutil.copytree(trained16, tmp_path / "run")
     run = tmp_path / "run"
@@ -1437,6 +1452,7 @@ def ep_runs(tmp_path_factory):
     return tmp, said
 
 
+@pytest.mark.xdist_group("ep_runs")
 def test_expert_parallel_training_matches_one_process_with_the_same_global_batch(ep_runs):
     tmp, said = ep_runs
     assert "each rank holds 2 of 4 experts per layer" in said["ep2"]
@@ -1459,6 +1475,7 @@ def test_expert_parallel_training_matches_one_process_with_the_same_global_batch
     assert {f"step_00000{s}.png" for s in (3, 6)} <= set(os.listdir(tmp / "ep2" / "samples"))  # gathered, drawn
 
 
+@pytest.mark.xdist_group("ep_runs")
 def test_expert_parallel_resumes_exactly_and_under_another_ep(ep_runs):
     tmp, _ = ep_runs
     ep2, again2, again1 = (torch.load(tmp / d / "ckpt.pt", weights_only=True) for d in ("ep2", "again2", "again1"))
@@ -1513,6 +1530,7 @@ def zero2(tmp_path_factory):
     return tmp, said, two
 
 
+@pytest.mark.xdist_group("zero2")
 def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(zero2):
     tmp, said, _ = zero2
     assert "parameters identical on all 2 ranks: True" in said["a"]  # (accumulation: the losses track DDP's below)
@@ -1526,6 +1544,7 @@ def test_deepspeed_zero2_halves_optimizer_state_and_tracks_ddp(zero2):
     DiT(**ckpt["config"]).load_state_dict(ckpt["ema"])
 
 
+@pytest.mark.xdist_group("zero2")
 def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
     tmp, said, two = zero2
     a, b = tmp / "a", tmp / "b"
@@ -1555,6 +1574,7 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
 # -----------------------------------------------------------------------------------------------
 # run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
 # -----------------------------------------------------------------------------------------------
+@pytest.mark.xdist_group("slurm")  # (one node: one Slurm test at a time)
 def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     need_slurm()
     good = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
@@ -1567,6 +1587,7 @@ def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     assert "JobState=FAILED" in state[bad], state[bad]  # run.slurm's exit status is the job's
 
 
+@pytest.mark.xdist_group("slurm")
 def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
     """Both ways a cluster pre-empts: USR1 to the batch shell only (`--signal=B:USR1`, here `scancel --batch`),
     which must travel batch script -> srun -> torchrun -> every rank; and `scontrol requeue` (SIGTERM to
@@ -1623,6 +1644,7 @@ def tiny_vae(tmp_path_factory):
     return path
 
 
+@pytest.mark.xdist_group("tiny_vae")
 def test_vae_encodes_the_posterior_mean_times_the_scaling_factor(tiny_vae):
     vae = load_vae(tiny_vae)
     assert (vae.channels, vae.factor, vae.scale) == (4, 2, 0.18215)
@@ -1720,6 +1742,7 @@ def test_converter_buckets_keep_each_photos_aspect_ratio_upright_and_never_upsam
         assert np.abs(np.asarray(img, dtype=np.float32) - ref).mean() < 6, name  # (JPEG only)
 
 
+@pytest.mark.xdist_group("tiny_vae")
 def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_same_loss(tmp_path, tiny_vae):
     raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=2, per_shard=40)
     pre = str(tmp_path / "pre")
@@ -2021,6 +2044,7 @@ def emoji_set(tmp_path_factory):
     return out, glyphs
 
 
+@pytest.mark.xdist_group("emoji_set")
 def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(emoji_set):
     out, glyphs = emoji_set
     names = sample.names_set(out, 16)
@@ -2034,6 +2058,7 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
         assert img.shape == (16, 16, 3) and img[0, 0].min() > 220  # transparency composited onto white (not black)
 
 
+@pytest.mark.xdist_group("emoji_set")
 def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
     out, _ = emoji_set
     names = sample.names_set(out, 16)
@@ -2054,6 +2079,7 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     assert s_speckled > 1.2 and sample.score_names(blurred, want, names, fid=False)["sharpness"] < 0.8
 
 
+@pytest.mark.xdist_group("emoji_set")
 def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_rescores_the_emoji(tmp_path, emoji_set,
                                                                                                   builtin16, capsys):
     out, flags = emoji_set[0], TINY + ["--image-size", "16", "--steps", "4", "--sample-every", "2", "--eval-n", "1"]
