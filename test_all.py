@@ -1532,7 +1532,7 @@ def zero2(tmp_path_factory):
     return tmp, said, two
 
 
-@pytest.mark.xdist_group("zero2")
+@pytest.mark.xdist_group("ranks")  # (ZeRO-2 and Slurm runs crawl beside each other: one at a time)
 def test_deepspeed_zero2_halves_optimizer_state_and_tracks_one_process(zero2):
     tmp, said, _ = zero2
     assert "parameters identical on all 2 ranks: True" in said["a"]
@@ -1551,7 +1551,7 @@ def test_deepspeed_zero2_halves_optimizer_state_and_tracks_one_process(zero2):
         assert torch.allclose(alone["model"][name], ckpt["model"][name], atol=1e-5, rtol=1e-4), name
 
 
-@pytest.mark.xdist_group("zero2")
+@pytest.mark.xdist_group("ranks")
 def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
     tmp, said, two = zero2
     a, b = tmp / "a", tmp / "b"
@@ -1581,7 +1581,7 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
 # -----------------------------------------------------------------------------------------------
 # run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
 # -----------------------------------------------------------------------------------------------
-@pytest.mark.xdist_group("slurm")  # (one node: one Slurm test at a time)
+@pytest.mark.xdist_group("ranks")
 def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     need_slurm()
     good = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
@@ -1594,7 +1594,7 @@ def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
     assert "JobState=FAILED" in state[bad], state[bad]  # run.slurm's exit status is the job's
 
 
-@pytest.mark.xdist_group("slurm")
+@pytest.mark.xdist_group("ranks")
 def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
     """Both ways a cluster pre-empts: USR1 to the batch shell only (`--signal=B:USR1`, here `scancel --batch`),
     which must travel batch script -> srun -> torchrun -> every rank; and `scontrol requeue` (SIGTERM to
