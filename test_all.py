@@ -44,7 +44,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slurm or emoji font fails, never skips
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # `pytest -n N`: N test processes share the cores
 if WORKERS > 1:  # each takes its share, for itself and the runs it starts (torch alone would take every core each)
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS: no affinity)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // WORKERS))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
