@@ -45,8 +45,9 @@ STRICT = os.environ.get("CI", "").lower() in ("1", "true")  # CI: a missing Slur
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # `pytest -n N`: N test processes share the cores
 if WORKERS > 1:  # each takes its share, for itself and the runs it starts (torch alone would take every core each)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS: no affinity)
-    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // WORKERS))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = max(1, cores // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
@@ -1765,7 +1766,7 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
     assert os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns == first
     assert os.path.exists(os.path.join(pre, "shapes-0001.tar"))
     with pytest.raises(SystemExit, match="resume with those flags"):  # never mixes two encodings
-        data.precompute(str(tmp_path / "raw"), pre, vae="none", image_size=16)
+        data.precompute(str(tmp_path / "raw"), pre, vae="none", image_size=16, text_encoder=SMALL_ENCODER)
     flags = TINY + ["--image-size", "16", "--patch", "2", "--vae", tiny_vae, "--steps", "4"]
     train.main(flags + ["--data", pre, "--out", str(tmp_path / "p")])
     train.main(flags + ["--data", ",".join(raw), "--out", str(tmp_path / "o")])
