@@ -48,6 +48,9 @@ if WORKERS > 1:  # each takes its share, for itself and the runs it starts (torc
     threads = max(1, cores // WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+# DeepSpeed JIT-builds its CPU comm op with the first `ninja` on PATH: the venv's, as if activated (a system ninja
+# hashes the same commands differently: each would rebuild what the other built, ~30 s a time)
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
 def one_layer_minilm(path=os.path.join(ROOT, "data", "minilm-1-layer")):
