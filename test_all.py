@@ -2405,9 +2405,10 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
         "repeat": (stuck_in_step(5), 0, "checkpoint written at step 4"),  # the same signal twice, 0.2 s apart
         "startup": ("real = train.setup\ndef setup(args):\n    print('stuck', flush=True); time.sleep(600)\n"
                     "train.setup = setup", 128 + signal.SIGTERM, "caught SIGTERM: exiting at once"),
-        "data": ("import itertools\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"
-                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True); time.sleep(600)\n"
-                 "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 3"),
+        "data": ("import itertools, os\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"  # a loader that
+                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True)\n"  # waits for a file
+                 "        while i == 3 and not os.path.exists(sys.argv[-1] + '.go'): time.sleep(0.05)\n"
+                 "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 4"),
         "step": (stuck_in_step(600), 128 + signal.SIGTERM, "exiting at once"),  # a second signal, 3 s later
     }
     procs = {}
@@ -2424,15 +2425,18 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
             time.sleep(3 if case == "step" else 0.2)  # does not, unless it is the same event arriving twice
             assert p.poll() is None
             p.send_signal(signal.SIGTERM)
+        if case == "data":  # the loader goes on waiting, the process with it; then the batch comes
+            time.sleep(1)
+            assert p.poll() is None
+            (tmp_path / case / "run.go").touch()
         t0 = time.time()
         stdout, stderr = p.communicate(timeout=60)
         assert p.returncode == code and says in stdout + stderr, (case, p.returncode, stderr[-2000:])
         assert time.time() - t0 < 15, case
         assert not list(out.rglob("*.tmp"))
-        if case == "data":  # one process waiting for data: its last step is complete, so it checkpoints
-            assert torch.load(out / "ckpt.pt", weights_only=True)["data"][0]["batch_in_epoch"] == 3
-        elif case == "repeat":
-            assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
+        if case in ("data", "repeat"):  # waiting for data too, the signal is acted on after the next step
+            ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+            assert ckpt["step"] == ckpt["data"][0]["batch_in_epoch"] == 4, case
         else:
             assert not (out / "ckpt.pt").exists()
 

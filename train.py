@@ -313,11 +313,12 @@ def train_loop(args, run, signals):
     n_seen, t_window, stopped = 0, time.time(), False
     stream = data.batches(run.shards, args.batch_size, run.buckets or args.image_size, args.seed, run.rank, run.world,
                           args.workers, run.position)  # (which it keeps up to date)
+    # a first signal is acted on between steps, never while the loader runs: raised there, it could leave one of the
+    # loader's locks held (the close would then hang) or its data position half-updated. A second one raises at once.
+    signals.defer = True
     try:
-        signals.defer = run.world > 1  # one process: a signal while it waits for data stops it at once
         b = next(stream) if run.step < args.steps else None  # (data.batches exits where a rank has no batch)
         while b is not None:
-            signals.defer = True  # from here the step finishes before a signal is acted on
             micro = [encode_batch(run, b)] + [encode_batch(run, next(stream)) for _ in range(args.grad_accum - 1)]
             out = train_step(run, args, micro)
             n_seen += sum(x0.shape[0] for x0, _, _ in micro) * run.world
@@ -333,12 +334,7 @@ def train_loop(args, run, signals):
                 save_checkpoint(run, args)
             if run.step >= args.steps or stopped:  # before the next batch is fetched, so the saved
                 break                               # data position is exact
-            signals.defer = run.world > 1
             b = next(stream)
-    except Interrupted:
-        if signals.defer or run.world > 1:  # (defer set: it was a second signal)
-            raise
-        stopped = True  # one process, waiting for data: the last step is complete, so it checkpoints
     finally:  # stop the loader's workers now: they ignore TERM, so at exit multiprocessing would wait for them forever
         stream.close()
     bar.close()
