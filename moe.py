@@ -119,7 +119,7 @@ class MoE(nn.Module):
         return y.view(shape)
 
     # data-dependent shapes: runs eagerly (a graph break) instead of recompiling. torch.compiler.disable would
-    # import dynamo now (~1.5 s a process); torch._disable_dynamo waits for the first call.
+    # import dynamo now (~1.5 s; sample.py never needs it); torch._disable_dynamo waits for the first call.
     @torch._disable_dynamo
     def dispatch_loop(self, x, w, idx):
         """Reference: for each expert, boolean-mask its tokens, run it, add the weighted result."""
