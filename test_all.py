@@ -174,6 +174,16 @@ def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request):
+    """A test that fails while its runs go on (a timeout) kills them, so a hung train.py does not hold a core for the
+    rest of the suite: every process with this test's tmp_path on its command line."""
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp:
+        subprocess.run(["pkill", "-KILL", "-f", str(tmp)], capture_output=True)
+
+
 def wait_for_log_lines(path, n, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= n):
