@@ -5,8 +5,9 @@
     python sample.py --ckpt out/moe/ckpt.pt --routing            # MoE: which experts, when, where
     python sample.py --plot out/run                              # a run's curves -> out/run/loss.png
 
-Sampling is flow.generate on the EMA weights (`--raw`: the trained ones), decoded by the VAE where the model learnt
-latents. What scores the samples depends on the data (below the banner; train.py's grids use the same code):
+Sampling is flow.generate on the EMA weights (`--raw`: the trained ones; the same under train.py's default
+`--ema 0`), decoded by the VAE where the model learnt latents. What scores the samples depends on the data (below
+the banner; train.py's grids use the same code):
   * built-in shapes: every colour x shape x position in wordings never trained on, named by judge();
   * a names set (`python data.py emoji`): every name in an unseen wording; NameNet, a small CNN trained here on the
     real pictures alone (cached beside them), gives the features for retrieval top-1/top-5 (is the nearest real

@@ -639,7 +639,7 @@ def trained16(tmp_path_factory, builtin16):
     out = str(tmp_path_factory.mktemp("trained16") / "run")
     train.main(TINY + ["--image-size", "16", "--width", "64", "--patch", "2", "--batch-size", "32", "--steps", "300",
                        "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n", "1", "--sample-steps",
-                       "4", "--text-encoder", "minilm", "--out", out])
+                       "4", "--text-encoder", "minilm", "--ema", "0.995", "--out", out])
     return out
 
 

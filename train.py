@@ -65,7 +65,7 @@ def get_parser():
     a("--t-shift", type=float, default=1.0, help="SD3's time shift s of training and sampling times; 1 = none")
     a("--contrast", type=float, default=0.0, help="contrastive flow matching weight lambda (0 = plain flow matching)")
     a("--cfg-drop", type=float, default=0.1, help="probability of training on the null caption (for guidance)")
-    a("--ema", type=float, default=0.995, help="EMA decay of the weights used for sampling")
+    a("--ema", type=float, default=0.0, help="EMA decay of the weights used for sampling (0: the trained weights)")
     a("--precision", choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
     a("--compile", action="store_true", help="torch.compile the training forward and backward")
     a("--grad-ckpt", action="store_true", help="activation checkpointing: recompute each block in the backward")
