@@ -4,8 +4,9 @@
     of a table big enough for 1:2 and 2:1 (SD3's), so every aspect ratio shares one centre (to half a patch);
   * conditioning: t~ = MLP(sinusoidal(t)) + Linear(masked mean of the text tokens) drives every adaLN
     (LayerNorm, then a scale and shift computed from t~, zero-initialised: DiT's adaLN-Zero);
-  * per stream (text c, image x, each its own weights): h = adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE
-    joint attention over [c; x] (text padding masked) -> output Linear -> adaLN -> SwiGLU, then s <- s + h;
+  * per stream (text c, image x, each its own weights): adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE joint
+    attention over [c; x] (text padding masked) -> s <- s + Linear(o), then s <- s + SwiGLU(adaLN(s)): SD3's two
+    residuals, their gates left out (the Linear and the SwiGLU's last layer start at zero instead);
   * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA: same numbers;
   * the zero-initialised output layer: the untrained network predicts exactly zero velocity.
 The last layer's text stream has no output Linear and no MLP (`pre_only`, as in SD3): its Q, K, V still enter the
@@ -89,9 +90,10 @@ class Stream(nn.Module):
         q, k, v = self.qkv(modulate(self.norm1(s), shift, scale)).view(B, N, 3, self.heads, -1).unbind(2)
         return self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
 
-    def post(self, o, mod):
-        """Attention output (B, N, D) -> output Linear -> adaLN -> SwiGLU."""
-        return self.mlp(modulate(self.norm2(self.proj(o)), mod[2], mod[3]))
+    def post(self, s, o, mod):
+        """The stream s (B, N, D) and its attention output o (B, N, D) -> s + Linear(o) -> + SwiGLU(adaLN(s))."""
+        s = s + self.proj(o)
+        return s + self.mlp(modulate(self.norm2(s), mod[2], mod[3]))
 
 
 class Block(nn.Module):
@@ -112,8 +114,8 @@ class Block(nn.Module):
         o = attention(torch.cat([qc, qx], 2), torch.cat([kc, kx], 2), torch.cat([vc, vx], 2), keep, self.attn)
         o = o.transpose(1, 2).flatten(2)  # (B, L + N, D)
         oc, ox = o.split([c.shape[1], x.shape[1]], dim=1)
-        x = x + self.x.post(ox, mx)  # the one ungated residual per stream
-        c = None if self.c.pre_only else c + self.c.post(oc, mc)
+        x = self.x.post(x, ox, mx)
+        c = None if self.c.pre_only else self.c.post(c, oc, mc)
         return x, c
 
 
@@ -164,6 +166,8 @@ class DiT(nn.Module):
             nn.init.zeros_(ada.bias)
         for mlp in [m for m in self.modules() if isinstance(m, SwiGLU)]:  # dense MLPs, shared experts
             nn.init.zeros_(mlp.w2.weight)  # every residual branch starts at zero: blocks = identity
+        for stream in [m for m in self.modules() if isinstance(m, Stream) and not m.pre_only]:
+            nn.init.zeros_(stream.proj.weight)  # (the attention's branch too)
         nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
         nn.init.zeros_(self.final.bias)
 
