@@ -1190,8 +1190,8 @@ def test_compiled_moe_compiles_once_and_never_recompiles(impl, precision, tmp_pa
     train.main(flags + ["--compile", "--out", str(tmp_path / "run")])
     graphs.append(counters["stats"]["unique_graphs"])
     # routing differs every step; a data-dependent shape in the graph would compile again (up to
-    # dynamo's recompile limit). grouped: one graph; sorted: its dispatches run eagerly between graphs (and
-    # the forward's own frame with them, so DiT.positions is a graph of its own: 12)
+    # dynamo's recompile limit). grouped: one graph; sorted: its dispatches run eagerly between graphs, which cut the
+    # frames around them (the forward's too, so DiT.positions is a graph of its own): 12 in all
     assert graphs[2] == graphs[-1] and graphs[-1] <= (1 if impl == "grouped" else 12), graphs
     if precision == "fp32":  # and the compiled step computes what the eager one does
         train.main(flags + ["--out", str(tmp_path / "eager")])
