@@ -645,11 +645,12 @@ def trained16(tmp_path_factory, builtin16):
 
 @pytest.fixture(scope="module")
 def trained_mixed16(tmp_path_factory):
-    """trained16's recipe on builtin-mixed: pictures of 5 aspect ratios, trained at patch 2 in 3 buckets (12x22 16x16
-    22x12, each picture at its nearest), a grid per bucket and the final evaluation per bucket."""
+    """trained16's model on builtin-mixed for 200 steps (colour is learnt by then: 96% here): pictures of 5 aspect
+    ratios, trained at patch 2 in 3 buckets (12x22 16x16 22x12, each picture at its nearest), a grid per bucket and
+    the final evaluation per bucket."""
     out = str(tmp_path_factory.mktemp("mixed16") / "run")
     train.main(TINY + ["--data", data.MIXED, "--image-size", "16", "--width", "64", "--patch", "2", "--batch-size",
-                       "32", "--steps", "300", "--lr", "3e-3", "--warmup", "20", "--sample-every", "150", "--eval-n",
+                       "32", "--steps", "200", "--lr", "3e-3", "--warmup", "20", "--sample-every", "100", "--eval-n",
                        "1", "--sample-steps", "4", "--text-encoder", "minilm", "--out", out])
     return out
 
@@ -662,7 +663,7 @@ def test_a_model_trained_on_mixed_aspect_ratios_draws_wide_and_tall_pictures_tha
         assert final[size]["color"] >= 0.8, (size, final[size])
     assert final["all"] == sum(final[k]["all"] for k in ("12x22", "16x16", "22x12")) / 3
     for size, (w, h) in (("12x22", (12, 22)), ("22x12", (22, 12))):  # a grid per bucket: 15 columns x 6 rows, 2x
-        assert Image.open(os.path.join(trained_mixed16, "samples", f"step_000150_{size}.png")).size == (30 * w, 12 * h)
+        assert Image.open(os.path.join(trained_mixed16, "samples", f"step_000100_{size}.png")).size == (30 * w, 12 * h)
     ckpt = os.path.join(trained_mixed16, "ckpt.pt")
     again = sample.main(["--ckpt", ckpt, "--eval", "--steps", "4", "--eval-n", "1", "--out", str(tmp_path / "e.png")])
     assert {k: again[k] for k in final} == final  # the same samples, scored per bucket as train.py did
