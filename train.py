@@ -507,16 +507,16 @@ def final_evaluation(args, run, signals):
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
-    if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid
+    if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid (and loss.png)
         sample_grid(run, args, ema)
         if args.eval_n:
             print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
-    else:  # every held-out prompt or name in wording never trained on, noise from --seed
-        grid = os.path.join(args.out, "samples", "eval.png")
-        scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n, args.sample_steps,
-                                          args.cfg, args.seed, args.t_shift, fid=True, size=run.buckets)
-        append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
-        sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
+        return 0
+    grid = os.path.join(args.out, "samples", "eval.png")  # held-out prompts or names, unseen wording, --seed noise
+    scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n, args.sample_steps,
+                                      args.cfg, args.seed, args.t_shift, fid=True, size=run.buckets)
+    append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
+    sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
     sample.plot_run(args.out)  # with the final scores
     return 0
 
