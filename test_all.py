@@ -204,15 +204,37 @@ def sha256sum_check(folder):
     return r.returncode, r.stdout + r.stderr
 
 
-SLURM_TINY = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
-              "--workers", "0", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2", *SMALL_TEXT]
+@pytest.fixture(scope="module")
+def builtin16():
+    return data.resolve_shards(data.BUILTIN, 16)  # generated once into data/shapes16
 
 
-def sbatch(tmp_path, flags, nproc=1, cpus=2):
-    """Submit run.slurm with these flags -> the job's id; its log is tmp_path/slurm-<id>.out."""
+STOPPED = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8", "--workers",
+           "1", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2", "--steps", "100", "--log-every", "1",
+           "--ckpt-every", "1000", *SMALL_TEXT]  # runs a signal stops (Slurm, torchrun): a checkpoint when stopped
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_ranks(tmp_path_factory, builtin16):
+    """STOPPED on 2 ranks, never stopped: where the pre-empted and signalled 2-rank runs must end -> its ckpt.pt."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    torchrun(out, 2, STOPPED + ["--dist", "ddp", "--out", str(out)])
+    return torch.load(out / "ckpt.pt", weights_only=True)
+
+
+def assert_same_run(ckpt, ref):
+    """Two checkpoints of one run: the same step, data position and weights, bit for bit."""
+    assert ckpt["step"] == ref["step"] and ckpt["data"] == ref["data"], (ckpt["step"], ref["step"])
+    for name in ref["model"]:
+        assert torch.equal(ref["model"][name], ckpt["model"][name]), name
+
+
+def sbatch(tmp_path, flags, nproc=1):
+    """Submit run.slurm with these flags, on one CPU (two jobs run side by side) -> the job's id; its log is
+    tmp_path/slurm-<id>.out."""
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    cmd = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={cpus}", f"--output={tmp_path}/slurm-%j.out"]
+    cmd = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out"]
     r = subprocess.run(cmd + ["run.slurm", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
     return r.stdout.strip().split(";")[0]
@@ -627,11 +649,6 @@ def test_text_encoder_is_minilm_as_transformers_computes_it_cached_and_masks_pad
 # -----------------------------------------------------------------------------------------------
 # train.py and sample.py
 # -----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def builtin16():
-    return data.resolve_shards(data.BUILTIN, 16)  # generated once into data/shapes16
-
-
 @pytest.fixture(scope="module")
 def trained16(tmp_path_factory, builtin16):
     """The smallest run that learns the built-in shapes' colours and positions (16 px, width 64, patch 2, 300 steps
@@ -1604,57 +1621,46 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
 # run.slurm on a real Slurm cluster (CI starts one with slurm/local_cluster.sh)
 # -----------------------------------------------------------------------------------------------
 @pytest.mark.xdist_group("ranks")
-def test_sbatch_run_slurm_trains_two_ranks_and_a_failing_job_fails(tmp_path):
+def test_slurm_jobs_train_two_ranks_a_failing_one_fails_and_preempted_ones_requeue_and_end_where_uninterrupted_runs_do(
+        tmp_path, uninterrupted_two_ranks):
+    """Three jobs side by side: "usr1" (2 ranks) pre-empted as `--signal=B:USR1` does it, USR1 to the batch shell
+    only (here `scancel --batch`), which must travel batch script -> srun -> torchrun -> every rank; "requeue" (1 rank)
+    by `scontrol requeue` (SIGTERM to every process of the job); "bad" fails. slurm/local_cluster.sh holds a requeued
+    job 10 s."""
     need_slurm()
-    good = sbatch(tmp_path, SLURM_TINY + ["--steps", "4", "--out", str(tmp_path / "run")], nproc=2)
-    bad = sbatch(tmp_path, ["--attn", "flash"])  # (queued behind the first: each asks for both CPUs)
-    state = wait_for_jobs([good, bad])
-    out = open(tmp_path / f"slurm-{good}.out", errors="replace").read()
-    assert "JobState=COMPLETED" in state[good] and "ExitCode=0:0" in state[good], (state[good], out[-3000:])
-    assert "2 ranks x 8 = global batch 16" in out and "parameters identical on all 2 ranks: True" in out
-    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 4
-    assert "JobState=FAILED" in state[bad], state[bad]  # run.slurm's exit status is the job's
-
-
-@pytest.mark.xdist_group("ranks")
-def test_preempted_slurm_jobs_checkpoint_requeue_and_end_where_uninterrupted_runs_do(tmp_path):
-    """Both ways a cluster pre-empts: USR1 to the batch shell only (`--signal=B:USR1`, here `scancel --batch`),
-    which must travel batch script -> srun -> torchrun -> every rank; and `scontrol requeue` (SIGTERM to
-    every process of the job). The two jobs run side by side; slurm/local_cluster.sh holds a requeued job 10 s."""
-    need_slurm()
-    flags, jobs = SLURM_TINY + ["--steps", "100", "--log-every", "1", "--ckpt-every", "1000"], {}
+    jobs = {}
     for how, nproc in (("usr1", 2), ("requeue", 1)):
         (tmp_path / how).mkdir()
-        jobs[how] = sbatch(tmp_path / how, flags + ["--out", str(tmp_path / how / "run")], nproc=nproc, cpus=1)
-    for how, job in jobs.items():
+        jobs[how] = sbatch(tmp_path / how, STOPPED + ["--out", str(tmp_path / how / "run")], nproc=nproc)
+    jobs["bad"] = sbatch(tmp_path, ["--attn", "flash"])
+    for how in ("usr1", "requeue"):
         wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
-        subprocess.run(["scancel", "--batch", "--signal=USR1", job] if how == "usr1" else ["scontrol", "requeue", job],
-                       check=True)
-    train.main(flags + ["--out", str(tmp_path / "one")])  # meanwhile: the same runs, uninterrupted
-    torchrun(tmp_path, 2, flags + ["--dist", "ddp", "--out", str(tmp_path / "two")])
+        subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[how]] if how == "usr1" else
+                       ["scontrol", "requeue", jobs[how]], check=True)
+    train.main(STOPPED + ["--out", str(tmp_path / "one")])  # meanwhile: the one-rank run, uninterrupted
     states = wait_for_jobs(list(jobs.values()))
-    for how, ref in (("usr1", "two"), ("requeue", "one")):
+    assert "JobState=FAILED" in states[jobs["bad"]], states[jobs["bad"]]  # run.slurm's exit status is the job's
+    one = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=True)
+    for how, ref in (("usr1", uninterrupted_two_ranks), ("requeue", one)):
         state = states[jobs[how]]
         out = "".join(open(p, errors="replace").read() for p in (tmp_path / how).glob("slurm-*.out"))
-        assert "JobState=COMPLETED" in state and "Restarts=1" in state, (how, state, out[-3000:])
-        ckpt = torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True)
-        a = torch.load(tmp_path / ref / "ckpt.pt", weights_only=True)
-        assert ckpt["step"] == 100 and ckpt["data"] == a["data"]
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], ckpt["model"][name]), (how, name)
+        assert all(s in state for s in ("JobState=COMPLETED", "ExitCode=0:0", "Restarts=1")), (how, state, out[-3000:])
+        assert_same_run(torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True), ref)
+        assert ref["step"] == 100
         resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl")
                    if '"resume"' in l]
         assert len(resumed) == 1 and 5 <= resumed[0] < 100, how  # from the signal's checkpoint (--ckpt-every 1000)
         if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
-            chain = ["run.slurm: USR1, passing it to the training step", "rank 0: caught SIGUSR1",
-                     "rank 1: caught SIGUSR1", f"caught SIGUSR1: checkpoint written at step {resumed[0]}",
+            chain = ["2 ranks x 8 = global batch 16", "run.slurm: USR1, passing it to the training step",
+                     "rank 0: caught SIGUSR1", "rank 1: caught SIGUSR1",
+                     f"caught SIGUSR1: checkpoint written at step {resumed[0]}",
                      "run.slurm: checkpoint written; requeueing job", f"resumed from {tmp_path / how / 'run'}/ckpt.pt "
                      f"at step {resumed[0]}", "parameters identical on all 2 ranks: True"]
-            where = [out.find(chain[0])]
-            where += [out.find(s, where[0]) for s in chain[1:3]]  # (the two ranks in either order)
-            for s in chain[3:]:
+            where = [out.find(s) for s in chain[:2]]
+            where += [out.find(s, where[1]) for s in chain[2:4]]  # (the two ranks in either order)
+            for s in chain[4:]:
                 where.append(out.find(s, max(where)) if min(where) >= 0 else -1)
-            assert min(where) >= 0, (chain, where, out[-4000:])
+            assert min(where) >= 0 and where[0] < where[1], (chain, where, out[-4000:])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2476,30 +2482,25 @@ def launch_and_signal(out, flags, signum, to_all=False):
     return said, torch.load(out / "ckpt.pt", weights_only=True)["step"]
 
 
-def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_exact(tmp_path, builtin16):
-    flags = TINY + ["--image-size", "16", "--steps", "40", "--ckpt-every", "1000", "--batch-size", "8",
-                    "--workers", "1", "--dist", "ddp"]
-    torchrun(tmp_path, 2, flags + ["--out", str(tmp_path / "a")])  # uninterrupted
-    b = tmp_path / "b"
+@pytest.mark.xdist_group("ranks")  # (the uninterrupted run it ends like is the Slurm test's too)
+def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_exact(tmp_path, builtin16,
+                                                                                   uninterrupted_two_ranks):
+    flags, b = STOPPED + ["--dist", "ddp"], tmp_path / "b"
     said, stopped = launch_and_signal(b, flags, signal.SIGUSR1)  # torchrun dies of it: its ranks see it die
-    assert 5 <= stopped < 40, said[-3000:]
+    assert 5 <= stopped < 100, said[-3000:]
     for rank in (0, 1):  # a rank that had not yet seen its launcher die learns it from the others' all-reduce
         assert re.search(rf"rank {rank}: caught (the death of its launcher \(pid \d+\)|a signal sent to another "
                          rf"rank), stopping after step {stopped}\b", said), said[-3000:]
     assert "caught the death of its launcher" in said
     assert f"checkpoint written at step {stopped}" in said
     assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", str(b), "--auto-resume"])
-    ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (tmp_path / "a", b))
-    assert cb["step"] == 40 and ca["data"] == cb["data"]
-    for name in ca["model"]:
-        assert torch.equal(ca["model"][name], cb["model"][name]), name
+    assert_same_run(torch.load(b / "ckpt.pt", weights_only=True), uninterrupted_two_ranks)
 
 
 @pytest.mark.parametrize("signame, to_all", [("SIGTERM", False), ("SIGTERM", True), ("SIGUSR1", True)])
 def test_a_signal_to_torchrun_or_to_every_process_ends_in_one_checkpoint_and_no_orphan(tmp_path, builtin16,
                                                                                       signame, to_all):
-    flags = TINY + ["--image-size", "16", "--steps", "100000", "--ckpt-every", "100000", "--batch-size", "8",
-                    "--workers", "1", "--dist", "ddp"]
+    flags = STOPPED + ["--steps", "100000", "--ckpt-every", "100000", "--dist", "ddp"]
     said, stopped = launch_and_signal(tmp_path / "run", flags, getattr(signal, signame), to_all)
     assert stopped >= 5 and f"checkpoint written at step {stopped}" in said, said[-3000:]
     assert "exiting at once" not in said  # one event, seen by each rank once or twice, is not a second signal
