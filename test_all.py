@@ -1469,8 +1469,8 @@ def test_expert_parallel_layer_equals_the_whole_layer_in_one_process():
     """4 ranks, --ep 2: each holds 2 of 4 experts, rows travel by all-to-all both ways, each expert's gradient is
     summed over its 2 copies: the outputs, the input gradients and every parameter's gradient are the one-process
     layer's, sorted and grouped, also where a rank's experts get no row."""
-    # (forked: 4 fresh interpreters would each import torch and this file again, twice the test's time)
-    torch.multiprocessing.start_processes(ep_layer_worker, args=(free_port(),), nprocs=4, start_method="fork")
+    how = "fork" if sys.platform == "linux" else "spawn"  # (spawned, each would import torch and this file again)
+    torch.multiprocessing.start_processes(ep_layer_worker, args=(free_port(),), nprocs=4, start_method=how)
 
 
 @pytest.fixture(scope="module")
