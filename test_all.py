@@ -23,7 +23,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -155,23 +157,71 @@ def free_port():
         return str(s.getsockname()[1])
 
 
-def torchrun(tmp_path, nproc, flags):
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                        free_port(), "train.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+def torchrun(flags):
+    """`torchrun --nproc_per_node 2 train.py flags`, which must exit 0 -> its output."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        free_port(), "train.py", *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
 
-def run_script(tmp_path, body, args, launcher=(), env=None, **kw):
-    """Start `python [launcher] script.py args` where script.py patches train, then runs train.main()."""
+def forked_ranks(flags, n=2, timeout=300):
+    """train.main(flags) on n ranks as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous in each
+    one's environment, one process a rank), but forked from this process: n fresh interpreters would each import torch
+    and train.py again (~3 s of CPU apiece). The launcher's own part runs under the real torchrun in the signal and
+    Slurm tests. -> ([exit status of each rank], every rank's output)."""
+    port, logs, pids = free_port(), [], []
+    sys.stdout.flush(), sys.stderr.flush()
+    for rank in range(n):
+        logs.append(tempfile.TemporaryFile("w+"))
+        pid = os.fork()
+        if pid == 0:  # the rank: its output to its file; it leaves by os._exit, never back into pytest
+            code = 1
+            try:
+                sys.stdout = sys.stderr = logs[rank]
+                os.dup2(logs[rank].fileno(), 1), os.dup2(logs[rank].fileno(), 2)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=port, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
+                torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # (torchrun's default: 1 a rank)
+                train.main(flags)  # (under a process group it ends by os._exit: train.leave_distributed)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else print(e.code) or 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        pids.append(pid)
+    codes, deadline = {}, time.time() + timeout
+    while len(codes) < n and time.time() < deadline:
+        for pid in set(pids) - set(codes):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for pid in set(pids) - set(codes):  # hung: none may outlive the test
+        os.kill(pid, signal.SIGKILL)
+        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    for f in logs:
+        f.seek(0)
+    return [codes[pid] for pid in pids], "".join(f.read() for f in logs)
+
+
+def ranks(flags, n=2):
+    """forked_ranks, which must all exit 0 -> every rank's output."""
+    codes, said = forked_ranks(flags, n)
+    assert codes == [0] * n, (codes, said[-3000:])
+    return said
+
+
+def run_script(tmp_path, body, args):
+    """Start `python script.py args` where script.py patches train, then runs train.main()."""
     script = tmp_path / "script.py"
     script.write_text(f"import sys, time; sys.path.insert(0, {ROOT!r}); import train, data, torch\n{body}\n"
                       "train.main()\n")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"), **(env or {}))
-    return subprocess.Popen([sys.executable, *launcher, str(script), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 @pytest.fixture(autouse=True)
@@ -218,7 +268,7 @@ STOPPED = ["--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2"
 def uninterrupted_two_ranks(tmp_path_factory, builtin16):
     """STOPPED on 2 ranks, never stopped: where the pre-empted and signalled 2-rank runs must end -> its ckpt.pt."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    torchrun(out, 2, STOPPED + ["--dist", "ddp", "--out", str(out)])
+    ranks(STOPPED + ["--dist", "ddp", "--out", str(out)])
     return torch.load(out / "ckpt.pt", weights_only=True)
 
 
@@ -1401,14 +1451,11 @@ def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_
         flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01"]
     train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")] if model == "dense" else
                flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), "train.py", "--dist", "ddp", *flags, "--batch-size", "4", "--grad-accum", "2",
-                        "--workers", "1", "--out", str(tmp_path / "two")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "parameters identical on all 2 ranks: True" in r.stdout
-    assert "2 ranks x 2 micro-batches x 4 = global batch 16" in r.stdout
-    assert ("bucket 24x12: 32 samples" in r.stdout) == (model == "moe"), r.stdout
+    said = ranks(["--dist", "ddp", *flags, "--batch-size", "4", "--grad-accum", "2", "--workers", "1", "--out",
+                  str(tmp_path / "two")])
+    assert "parameters identical on all 2 ranks: True" in said
+    assert "2 ranks x 2 micro-batches x 4 = global batch 16" in said
+    assert ("bucket 24x12: 32 samples" in said) == (model == "moe"), said
     one, two = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "two"))
     init = tiny_model(image_size=16, width=32, text_dim=384, moe=4 * (model == "moe")).state_dict()
     for name in one["model"]:
@@ -1484,11 +1531,11 @@ def ep_runs(tmp_path_factory):
     one = train.main(flags + ["--batch-size", "8", "--out", str(tmp / "one")])
     said = dict(one=train.optimizer_bytes(one.opt))
     two = flags + ["--batch-size", "4", "--dist", "ddp"]
-    said["ep2"] = torchrun(tmp, 2, two + ["--ep", "2", "--out", str(tmp / "ep2")])
+    said["ep2"] = ranks(two + ["--ep", "2", "--out", str(tmp / "ep2")])
     for again, extra in (("again2", ["--ep", "2"]), ("again1", ["--ep", "1", "--moe-impl", "grouped"])):
         os.makedirs(tmp / again)
         shutil.copy(tmp / "ep2" / "ckpt.prev.pt", tmp / again / "ckpt.pt")  # (step 3)
-        said[again] = torchrun(tmp, 2, two + extra + ["--out", str(tmp / again), "--resume"])
+        said[again] = ranks(two + extra + ["--out", str(tmp / again), "--resume"])
     return tmp, said
 
 
@@ -1561,14 +1608,14 @@ def zero2(tmp_path_factory):
                     "2", "--lr", "2e-3", "--warmup", "2", "--grad-accum", "2"]  # (ZeRO's own accumulation)
     two = flags + ["--workers", "1", "--batch-size", "4"]
     one = train.main(flags + ["--batch-size", "8", "--out", str(tmp / "one")])
-    said = dict(a=torchrun(tmp, 2, two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
+    said = dict(a=ranks(two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
                 one=train.optimizer_bytes(one.opt))
     a, b = tmp / "a", tmp / "b"
     shutil.copytree(a / "deepspeed" / "step000002", b / "deepspeed" / "step000002")
     shutil.copy(a / "ckpt.prev.pt", b / "ckpt.pt")
     shutil.copy(a / "args.json", b / "args.json")
     (b / "log.jsonl").write_text("".join(l for l in open(a / "log.jsonl") if json.loads(l).get("step", 0) <= 2))
-    said["b"] = torchrun(tmp, 2, two + ["--dist", "deepspeed", "--out", str(b), "--resume"])
+    said["b"] = ranks(two + ["--dist", "deepspeed", "--out", str(b), "--resume"])
     return tmp, said, two
 
 
@@ -1608,10 +1655,8 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
     assert tags == ["step000002", "step000004"]
     assert torch.load(b / "ckpt.prev.pt", weights_only=True)["deepspeed_tag"] == "step000002"
     # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), "train.py", *two, "--dist", "ddp", "--out", str(b), "--resume"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "resume with --dist deepspeed" in r.stderr, r.stderr[-3000:]
+    codes, said = forked_ranks(two + ["--dist", "ddp", "--out", str(b), "--resume"])
+    assert 0 not in codes and "resume with --dist deepspeed" in said, said[-3000:]
     # ckpt.pt holds the consolidated model + EMA: sample.py needs no DeepSpeed
     sample.main(["--ckpt", str(b / "ckpt.pt"), "--prompt", "a red circle", "--n", "1", "--steps", "2",
                  "--out", str(tmp / "g.png")])
@@ -2222,19 +2267,23 @@ def test_too_many_bad_steps_in_a_row_stop_naming_the_last_good_checkpoint(tmp_pa
     assert [strict_json(l).get("bad_step") for l in open(out / "log.jsonl")][-3:] == [True] * 3
 
 
-def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank_and_each_rank_reads_its_own_data(tmp_path, builtin16):
-    body = ("import json\nreal = train.encode_batch\nn = [0]\ndef enc(S, b):\n    x0, t, m = real(S, b)\n"
-            "    n[0] += 1\n"
-            f"    open(f'{tmp_path}/captions{{S.rank}}.json', 'a').write(json.dumps(b['caption']) + '\\n')\n"
-            "    if S.rank == 1 and n[0] == 3:\n        x0 = x0.clone(); x0[0, 0, 0, 0] = float('inf')\n"
-            "    return x0, t, m\ntrain.encode_batch = enc")
-    flags = TINY + ["--image-size", "16", "--steps", "5", "--batch-size", "8", "--workers", "1", "--dist", "ddp",
-                    "--out", str(tmp_path / "run")]
-    p = run_script(tmp_path, body, flags, launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                                     "--master_port", free_port()))
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-3000:]
-    assert "parameters identical on all 2 ranks: True" in out  # both skipped it: the replicas never diverged
+def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank_and_each_rank_reads_its_own_data(tmp_path, builtin16,
+                                                                                             monkeypatch):
+    real, n = train.encode_batch, [0]
+
+    def enc(S, b):  # (each forked rank counts in its own copy of n)
+        x0, text, mask = real(S, b)
+        n[0] += 1
+        with open(tmp_path / f"captions{S.rank}.json", "a") as f:
+            f.write(json.dumps(b["caption"]) + "\n")
+        if S.rank == 1 and n[0] == 3:
+            x0 = x0.clone()
+            x0[0, 0, 0, 0] = float("inf")
+        return x0, text, mask
+    monkeypatch.setattr(train, "encode_batch", enc)
+    said = ranks(TINY + ["--image-size", "16", "--steps", "5", "--batch-size", "8", "--workers", "1", "--dist", "ddp",
+                         "--out", str(tmp_path / "run")])
+    assert "parameters identical on all 2 ranks: True" in said  # both skipped it: the replicas never diverged
     recs = [strict_json(l) for l in open(tmp_path / "run" / "log.jsonl")]
     assert [r["step"] for r in recs if r.get("bad_step")] == [3]
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 5
@@ -2321,13 +2370,9 @@ def test_data_that_cannot_fill_one_batch_stops_at_once_with_the_counts(tmp_path)
     with pytest.raises(SystemExit, match=r"no batch of --batch-size 8: its 1 loader worker\(s\) read 3 samples.*"
                                          r"--batch-size 3 or less"):
         train.main(flags + ["--out", str(tmp_path / "one")])
-    t0 = time.time()  # under torchrun: every rank stops, none waits in an all-reduce
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), "train.py", "--dist", "ddp", *flags, "--out", str(tmp_path / "two")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0, r.stderr[-3000:]
-    assert "gave rank 0 no batch" in r.stderr and "gave rank 1 no batch" in r.stderr, r.stderr[-3000:]
-    assert time.time() - t0 < 60
+    codes, said = forked_ranks(["--dist", "ddp", *flags, "--out", str(tmp_path / "two")], timeout=60)
+    assert 0 not in codes and -signal.SIGKILL not in codes, said[-3000:]  # every rank stops, none waits in a collective
+    assert "gave rank 0 no batch" in said and "gave rank 1 no batch" in said, said[-3000:]
 
 
 def test_an_error_while_loader_workers_run_ends_the_process_instead_of_hanging_its_exit(tmp_path, builtin16):
@@ -2494,7 +2539,7 @@ def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_ex
                          rf"rank), stopping after step {stopped}\b", said), said[-3000:]
     assert "caught the death of its launcher" in said
     assert f"checkpoint written at step {stopped}" in said
-    assert "resumed from" in torchrun(tmp_path, 2, flags + ["--out", str(b), "--auto-resume"])
+    assert "resumed from" in torchrun(flags + ["--out", str(b), "--auto-resume"])
     assert_same_run(torch.load(b / "ckpt.pt", weights_only=True), uninterrupted_two_ranks)
 
 
@@ -2515,7 +2560,7 @@ def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
                     "--workers", "1", "--moe", "4", "--expert-hidden", hidden,
                     "--upcycle", os.path.join(dense, "ckpt.pt"),
                     "--dist", "deepspeed", "--out", str(tmp_path / "up")]
-    assert "upcycled from" in torchrun(tmp_path, 2, flags)
+    assert "upcycled from" in ranks(flags)
     parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)
     child = torch.load(tmp_path / "up" / "ckpt.pt", weights_only=True)
     d, m = DiT(**parent["config"]), DiT(**child["config"])
