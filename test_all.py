@@ -157,21 +157,14 @@ def free_port():
         return str(s.getsockname()[1])
 
 
-def torchrun(flags):
-    """`torchrun --nproc_per_node 2 train.py flags`, which must exit 0 -> its output."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), "train.py", *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
-
-
 def forked_ranks(flags, n=2, timeout=300):
     """train.main(flags) on n ranks as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous in each
     one's environment, one process a rank), but forked from this process: n fresh interpreters would each import torch
     and train.py again (~3 s of CPU apiece). The launcher's own part runs under the real torchrun in the signal and
     Slurm tests. -> ([exit status of each rank], every rank's output)."""
     port, logs, pids = free_port(), [], []
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()  # (or the ranks would print what this process has buffered, too)
+    sys.stderr.flush()
     for rank in range(n):
         logs.append(tempfile.TemporaryFile("w+"))
         pid = os.fork()
@@ -185,8 +178,10 @@ def forked_ranks(flags, n=2, timeout=300):
                 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # (torchrun's default: 1 a rank)
                 train.main(flags)  # (under a process group it ends by os._exit: train.leave_distributed)
                 code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else print(e.code) or 1
+            except SystemExit as e:  # an exit status, or the message of an error
+                if isinstance(e.code, str):
+                    print(e.code)
+                code = 1 if isinstance(e.code, str) else e.code or 0
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -2539,7 +2534,7 @@ def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_ex
                          rf"rank), stopping after step {stopped}\b", said), said[-3000:]
     assert "caught the death of its launcher" in said
     assert f"checkpoint written at step {stopped}" in said
-    assert "resumed from" in torchrun(flags + ["--out", str(b), "--auto-resume"])
+    assert "resumed from" in ranks(flags + ["--out", str(b), "--auto-resume"])
     assert_same_run(torch.load(b / "ckpt.pt", weights_only=True), uninterrupted_two_ranks)
 
 
