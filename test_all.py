@@ -84,7 +84,7 @@ TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "16", "
 
 
 # -----------------------------------------------------------------------------------------------
-# Shared helpers: tiny models and inputs, shards, crash-and-resume, launchers (torchrun, sbatch), logs
+# Shared helpers: tiny models and inputs, shards, crash-and-resume, forked ranks, sbatch, logs
 # -----------------------------------------------------------------------------------------------
 def tiny_model(**kw):
     torch.manual_seed(0)
@@ -1431,7 +1431,7 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
 
 
 # -----------------------------------------------------------------------------------------------
-# distributed (CPU, gloo, 2 processes under torchrun)
+# distributed (CPU, gloo, 2 ranks forked as torchrun would start them)
 # -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path, model):
