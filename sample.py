@@ -31,7 +31,7 @@ from PIL import Image
 
 import data
 import flow
-from model import DiT, TextEncoder, atomic_write, cannot_load, device, load_vae, read_json
+from model import DiT, TextEncoder, atomic_write, cannot_load, device, load_vae, need_folder, read_json
 from moe import MoE, default_impl
 
 
@@ -458,6 +458,7 @@ def fid_is(real, fake, nets, batch=256):
 def load_clip(name):
     """--clip-model -> (a transformers CLIPModel, its CLIPProcessor); hub ids and local folders alike."""
     from transformers import CLIPModel, CLIPProcessor
+    need_folder("--clip-model", name)
     try:
         return CLIPModel.from_pretrained(name).eval().to(device()), CLIPProcessor.from_pretrained(name)
     except (OSError, ValueError) as e:

@@ -1734,10 +1734,16 @@ def test_vae_encodes_the_posterior_mean_times_the_scaling_factor(tiny_vae):
     assert raw.abs().max() > 1 and torch.allclose(vae.decode(z * 3), raw.clamp(-1, 1), atol=1e-5)
 
 
-def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it():
-    for load in (lambda: load_vae("/no/such/vae"), lambda: TextEncoder("/no/such/clip")):
+def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it_and_a_missing_folder_is_said_at_once(tmp_path,
+                                                                                                       monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for flag, load in (("--vae", load_vae), ("--text-encoder", TextEncoder), ("--clip-model", sample.load_clip)):
         with pytest.raises(SystemExit, match="huggingface-cli download .*HF_HOME.*save_pretrained"):
-            load()
+            load("no such model")  # not a folder, not a valid hub id: the hub is never asked
+        for path in ("/no/such/model", "./model", "data/model"):  # a mistyped folder, not a hub repo "data/model"
+            with pytest.raises(SystemExit, match=f"{flag} '{path}': no such folder"):
+                load(path)
 
 
 def stripes(w, h, colours):
@@ -1956,7 +1962,7 @@ def test_missing_metric_model_is_a_clear_error(tmp_path, which):
                 pytest.skip("torch-fidelity is installed here")
             sample.feature_nets("inception")
     msg = str(e.value)
-    fix = {"clip": ["--clip-model", missing, "huggingface-cli download", "save_pretrained"],
+    fix = {"clip": ["--clip-model", missing, "no such folder", "save_pretrained"],
            "torchscript": ["--features", missing, "TorchScript"],
            "inception": ["torch-fidelity", "torchvision", "--inception-weights", "torch.jit.trace"]}[which]
     assert all(f in msg for f in fix), msg
