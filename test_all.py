@@ -166,7 +166,7 @@ def forked_ranks(flags, n=2, timeout=300):
     sys.stdout.flush()  # (or the ranks would print what this process has buffered, too)
     sys.stderr.flush()
     for rank in range(n):
-        logs.append(tempfile.TemporaryFile("w+"))
+        logs.append(tempfile.TemporaryFile("w+", encoding="utf-8"))  # (tqdm draws its bar in Unicode)
         pid = os.fork()
         if pid == 0:  # the rank: its output to its file; it leaves by os._exit, never back into pytest
             code = 1
