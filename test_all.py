@@ -6,7 +6,7 @@ implementations agree, the untrained model predicts zero, the flow's signs and t
 skipped and counted, the judge can be trusted, a trained model draws what its caption says, resume is bit-exact.
 Shared helpers come first; then one section per file under test (model, flow, data, train and sample, moe, profile,
 distributed, run.slurm, real-scale inputs, metrics, emoji); then the faults. With CI=1 a test that needs Slurm or
-the emoji font fails where it is missing instead of skipping.
+the emoji font fails where it is missing instead of skipping. Linux: the 2-rank runs fork their ranks (forked_ranks).
 """
 import collections
 import copy
