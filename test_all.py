@@ -194,8 +194,10 @@ def forked_ranks(flags, n=2, timeout=300):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 codes[pid] = os.waitstatus_to_exitcode(status)
+        if any(codes.values()) and deadline > time.time() + 10:  # one failed: as under torchrun, the rest have 10 s
+            deadline = time.time() + 10
         time.sleep(0.05)
-    for pid in set(pids) - set(codes):  # hung: none may outlive the test
+    for pid in set(pids) - set(codes):  # hung, or left waiting for a failed rank: none may outlive the test
         os.kill(pid, signal.SIGKILL)
         codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     for f in logs:
