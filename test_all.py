@@ -854,9 +854,8 @@ def test_usr1_or_term_to_python_train_py_checkpoints_and_the_resumed_run_ends_wh
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "SIGUSR1"))
-    assert b["step"] == 60 and a["data"] == b["data"]
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert a["step"] == 60
+    assert_same_run(b, a)
 
 
 @pytest.mark.xdist_group("trained16")
@@ -1291,9 +1290,7 @@ def test_moe_training_run_loss_falls_and_resume_is_exact(tmp_path, monkeypatch):
     assert all(0 < r["balance_loss"] < 0.05 for r in log)
     assert len(log[-1]["routing"]) == 2 and len(log[-1]["routing"][0]["load"]) == 4
     crash_then_resume(monkeypatch, flags + ["--out", str(tmp_path / "b")], crash_at=25)
-    a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "b"))
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert_same_run(*(torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("b", "a")))
     sample.main(["--ckpt", str(tmp_path / "a" / "ckpt.pt"), "--routing"])  # the heatmaps, as sample.py draws them
     for key in ("timestep", "colour", "shape", "position"):
         assert Image.open(tmp_path / "a" / f"routing_{key}.png").size[0] > 100
