@@ -93,7 +93,7 @@ def drop_captions(text, mask, keep):
 
 
 @torch.no_grad()
-def generate(model, encode, captions, steps=50, cfg=4.0, seed=0, shape=(3, 32, 32), device="cpu", shift=1.0):
+def generate(model, encode, captions, steps=25, cfg=2.0, seed=0, shape=(3, 32, 32), device="cpu", shift=1.0):
     """Captions -> samples (B, C, H, W) at t = 0, from fixed-seed noise (same seed, same pictures)."""
     text, mask = encode(captions)  # (B, L, D_text), (B, L)
     null_text, null_mask = null_caption(text, mask)

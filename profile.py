@@ -17,7 +17,8 @@ RSS before the first step (the step's own working memory).
 """
 # Run from the repo root, this file shadows the standard library's `profile`, which `cProfile` imports (and so do
 # torch._dynamo and torch.compile). So when it is imported under that name it hands the standard module over:
-# sys.modules then holds the real one, which is what `import profile` returns, and nothing else is imported.
+# sys.modules then holds the real one, which is what `import profile` returns, and nothing heavy is imported.
+import contextlib
 import sys
 
 if __name__ == "profile":
@@ -39,16 +40,15 @@ else:  # run as a script, or imported under another name
     import time
 
     import torch
-    import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
     import data
+    import moe
     import train
     from model import count_params, device
     from moe import MoE
 
 PHASES = ("forward", "backward", "optimizer")
-EXCHANGED = [0.0]  # seconds in all-to-alls since the last phase mark (--ep: moe.py's exchanges, a phase of their own)
 CLAIMS = ("attn", "moe-impl", "moe", "ep", "compile", "compile-moe", "precision", "full-size", "loader")
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
@@ -100,7 +100,9 @@ def fixed_batch(args, run):
 
 
 def run_steps(run, args, n, get_batch, times=None):
-    """n training steps of train.py; if `times` is given, append each phase's seconds to it."""
+    """n training steps of train.py; if `times` is given, append each phase's seconds to it (--ep: the all-to-alls
+    are a phase of their own, taken out of the phase they ran in)."""
+    exchanged = [0.0]  # seconds in moe.exchange since the last mark
     for _ in range(n):
         last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
@@ -108,45 +110,45 @@ def run_steps(run, args, n, get_batch, times=None):
             if run.dev == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            exchanged, EXCHANGED[0] = EXCHANGED[0], 0.0
-            step[phase] = step.get(phase, 0.0) + now - last[0] - exchanged
+            step[phase] = step.get(phase, 0.0) + now - last[0] - exchanged[0]
             if args.ep > 1:
-                step["all_to_all"] = step.get("all_to_all", 0.0) + exchanged
-            last[0] = now
+                step["all_to_all"] = step.get("all_to_all", 0.0) + exchanged[0]
+            last[0], exchanged[0] = now, 0.0
         micro = []
         for _ in range(args.grad_accum):
             b = get_batch()
             mark("data_wait")
             micro.append(train.encode_batch(run, b))  # frozen VAE + text encoder, or precomputed
             mark("encoders")
-        train.train_step(run, args, micro, mark)
+        with timing_exchanges(exchanged):
+            train.train_step(run, args, micro, mark)
         for phase, sec in step.items():
             if times is not None:
                 times.setdefault(phase, []).append(sec)
 
 
-def time_exchanges():
-    """Add the seconds of every dist.all_to_all_single (moe.py's --ep exchanges, both ways) to EXCHANGED."""
-    real, sync = dist.all_to_all_single, torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+@contextlib.contextmanager
+def timing_exchanges(seconds):
+    """Within it, every moe.exchange (--ep's all-to-alls, both ways) adds its seconds to seconds[0]."""
+    real, sync = moe.exchange, torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def timed(*a, **k):
         sync()  # (on a GPU the exchange is asynchronous: time it from an idle device to an idle device)
         t0 = time.perf_counter()
-        work = real(*a, **k)
+        real(*a, **k)
         sync()
-        EXCHANGED[0] += time.perf_counter() - t0
-        return work
-    dist.all_to_all_single = timed
+        seconds[0] += time.perf_counter() - t0
+    moe.exchange = timed
+    try:
+        yield
+    finally:
+        moe.exchange = real
 
 
 def measure(args):
     """compute | full | dataloader -> result dict (also written as JSON under <out>/profile/)."""
-
-
     shape = [int(v) for v in args.synthetic.split(",")] if args.synthetic else None  # C, side, L, D_text
     run = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
-    if args.ep > 1:
-        time_exchanges()
     if shape:  # random latents and text states, as precomputed shards would give them (the encoders are skipped)
         g, (C, side, L, D_text), B = torch.Generator().manual_seed(args.seed), shape, args.batch_size
         batch = dict(latent=torch.randn(B, C, side, side, generator=g), text=torch.randn(B, L, D_text, generator=g),
@@ -181,11 +183,11 @@ def measure(args):
     res["flops_per_step"] = flops_per_step(run, args, batch)
     res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
     res["param_mb"] = sum(p.numel() * p.element_size() for p in run.model.parameters()) / 2 ** 20  # (--ep: its share)
-    if run.world > 1 and run.engine is None:  # DDP communication = what the all-reduce adds: the same steps without
-        quiet = {}
-        with run.fwd.no_sync():  # (replicas drift apart from here on; nothing is saved)
-            run_steps(run, args, args.iters, get_batch, quiet)
-        res["communication_ms"] = res["step_ms"] - 1e3 * statistics.median(sum(ts) for ts in zip(*quiet.values()))
+    if run.world > 1 and not run.engine.zero:  # DDP communication = what the all-reduce adds: the same steps without
+        unsynced = {}
+        with run.engine.forward.no_sync():  # (replicas drift apart from here on; nothing is saved)
+            run_steps(run, args, args.iters, get_batch, unsynced)
+        res["communication_ms"] = res["step_ms"] - 1e3 * statistics.median(sum(ts) for ts in zip(*unsynced.values()))
         res["communication_share"] = res["communication_ms"] / res["step_ms"]
     res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
@@ -263,22 +265,17 @@ def compare(args, argv):
 
 # ==== What a first read may skip: FLOP counting, the loader alone, printing, the ratio table, the suite ==========
 def flops_per_step(run, args, batch):
-    """FLOPs of one training step of the DiT (frozen encoders not counted), by torch's FlopCounterMode."""
-    state = {k: getattr(run, k).state_dict() for k in ("model", "ema", "opt", "sched")}
-    micro = [train.encode_batch(run, batch)] * args.grad_accum
-    # the counter has no formula for grouped_mm (it counts 0): count the same matmuls of the sorted
-    # dispatch instead (useful FLOPs, without the padding rows), on the eager model
-    impls, fwd, bad = {m: m.impl for m in run.model.modules() if isinstance(m, MoE)}, run.fwd, run.bad
+    """FLOPs of one more training step of the DiT (frozen encoders not counted), by torch's FlopCounterMode, on the
+    eager model with the sorted dispatch: the counter has no formula for grouped_mm (the same useful matmuls)."""
+    impls, forward = {m: m.impl for m in run.model.modules() if isinstance(m, MoE)}, run.engine.forward
     for m in impls:
         m.impl = "sorted"
-    run.fwd = run.model if args.compile else fwd
+    run.engine.forward = run.model if args.compile else forward
     with FlopCounterMode(display=False) as fc:
-        train.train_step(run, args, micro)
-    for k, v in state.items():  # that step was only counted: undo it
-        getattr(run, k).load_state_dict(v)
+        train.train_step(run, args, [train.encode_batch(run, batch)] * args.grad_accum)
     for m, impl in impls.items():
         m.impl = impl
-    run.step, run.fwd, run.bad = run.step - 1, fwd, bad
+    run.engine.forward = forward
     return fc.get_total_flops()
 
 
@@ -350,8 +347,8 @@ def ratio_table(args, flag, values, runs):
 
 
 def claims(gpu):
-    """[(key, title, profile.py arguments)]: GPU sizes fill ~8 minutes of one H100-class GPU; CPU sizes
-    run the very same code tiny (~5 minutes on 2 cores). `ep` runs 2 ranks: on a GPU only where there are 2."""
+    """[(key, title, profile.py arguments)]: GPU sizes for one H100-class GPU; CPU sizes run the very same code
+    tiny. `ep` runs 2 ranks: on a GPU only where there are 2."""
     if gpu:
         base = "--width 384 --depth 6 --heads 6 --patch 2 --image-size 32 --batch-size 64".split()
         attn = [("~1k", "--image-size 64 --batch-size 32"), ("~4k", "--image-size 128 --batch-size 8")]

@@ -35,7 +35,7 @@ import webdataset as wds
 from PIL import Image
 
 import data
-import model
+import eval
 import flow
 import moe
 import sample
@@ -124,7 +124,7 @@ def identical_shards(folder, n_shards=4, per_shard=16, sizes=((16, 16),)):
                                                          sizes[i % len(sizes)]), "txt": "a red square"}
                                                         for i in range(per_shard)])
     counts = collections.Counter("%dx%d" % sizes[i % len(sizes)] for _ in range(n_shards) for i in range(per_shard))
-    model.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
+    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
     return str(folder)
 
 
@@ -349,8 +349,8 @@ def test_at_init_every_block_is_the_identity_every_adaln_plain_and_the_velocity_
         assert torch.equal(xo, x), i
         assert co is None if i == len(m.blocks) - 1 else torch.equal(co, c), i
         for stream in (block.x, block.c):  # ... and every modulation starts as plain LayerNorm (shift 0, scale 1)
-            assert not stream.ada(cond).any(), i
-    assert not m.final_ada(cond).any()
+            assert not stream.adaln(cond).any(), i
+    assert not m.final_adaln(cond).any()
     v = m(*toy_inputs())
     assert v.shape == (3, 3, 16, 16) and torch.equal(v, torch.zeros_like(v))
 
@@ -585,7 +585,7 @@ def sized_shards(folder, sizes_per_shard):
             samples.append({"__key__": f"{k}-{i}", "png": buf.getvalue(), "txt": f"{w}x{h} {k}-{i}"})
             sizes[f"{w}x{h}"] += 1
         write_shard(os.path.join(folder, f"s{k}.tar"), samples)
-    model.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
+    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
     return data.tars(folder)
 
 
@@ -643,14 +643,14 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
     for s in wds.tarfile_samples({"url": u} for u in shards):
         images.append(Image.open(io.BytesIO(s["png"])))
         attrs.append(json.loads(s["json"]))
-    acc = sample.grade(images, attrs)
+    acc = eval.judge_accuracy(images, attrs)
     assert len(images) == 2000 and acc["all"] >= 0.98, acc
     for s in wds.tarfile_samples({"url": u} for u in shards):  # and each caption names what its picture shows
         a, words = json.loads(s["json"]), s["txt"].decode()
         named = lambda options: [o for o in options if re.search(rf"\b{o}\b", words)]
         assert [named(data.COLORS), named(data.SHAPES), named(data.POSITIONS)] == \
             [[a["color"]], [a["shape"]], [a["position"]]], (a, words)
-    assert sample.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
+    assert eval.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
     # builtin-mixed: pictures of every bucket, each position a fraction of the width and height: graded alike
     mixed = data.make_builtin(str(tmp_path / "mixed"), n_shards=1, per_shard=1000, seed=7, mixed=True)
     by_size = collections.defaultdict(lambda: ([], []))
@@ -659,10 +659,10 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
         by_size[img.size][0].append(img)
         by_size[img.size][1].append(json.loads(s["json"]))
     assert sorted(by_size) == sorted(data.buckets(32, 4))
-    assert model.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
+    assert data.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
         {"%dx%d" % size: len(imgs) for size, (imgs, _) in by_size.items()}
     for size, (imgs, attrs) in by_size.items():
-        assert sample.grade(imgs, attrs)["all"] >= 0.97, size
+        assert eval.judge_accuracy(imgs, attrs)["all"] >= 0.97, size
 
 
 def test_builtin_data_is_deterministic_and_captions_vary(tmp_path):
@@ -749,7 +749,7 @@ def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beat
     ckpt = os.path.join(trained16, "ckpt.pt")  # the default guidance of the final evaluation and of sample.py:
     assert train.get_args(["--out", "/nonexistent"]).cfg == sample.get_args(["--ckpt", ckpt]).cfg == 2.0
     model, encoder, _ = sample.load(os.path.join(trained16, "ckpt.pt"))
-    grade = lambda cfg: sample.evaluate(model, encoder, None, None, str(tmp_path / "g.png"), 1, 4, cfg, 0,
+    grade = lambda cfg: sample.score_heldout(model, encoder, None, None, str(tmp_path / "g.png"), 1, 4, cfg, 0,
                                         model.t_shift)[0]
     blind, unguided = grade(0.0), grade(1.0)  # w = 0: the unconditional field alone; w = 1: no guidance
     assert blind["color"] < 0.35 and blind["position"] < 0.4, blind  # chance: 1/6 and 1/5
@@ -876,10 +876,10 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
     assert Image.open(tmp_path / "g.png").size == (3 * 16 * 2, 16 * 2)
     # --batch 2: two chunks, the second with the noise of --seed + 2; the grid is exactly these samples
     model, encoder, _ = sample.load(ckpt)
-    drawn = sample.draw(model, encoder, None, ["a red circle"] * 3, 2, 2.0, 7, model.t_shift, batch=2)
-    sample.save_grid([sample.to_pil(x) for x in sample.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
+    drawn = sample.sample_images(model, encoder, None, ["a red circle"] * 3, 2, 2.0, 7, model.t_shift, batch=2)
+    sample.save_grid([data.to_pil(x) for x in data.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "g.png")), np.asarray(Image.open(tmp_path / "h.png")))
-    last = sample.draw(model, encoder, None, ["a red circle"], 2, 2.0, 9, model.t_shift)
+    last = sample.sample_images(model, encoder, None, ["a red circle"], 2, 2.0, 9, model.t_shift)
     assert torch.equal(drawn[2:], last) and not torch.equal(drawn[:1], last)
 
 
@@ -893,6 +893,16 @@ def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys)
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
     assert e.value.code == 2 and fix in capsys.readouterr().err
+
+
+def test_model_presets_are_dits_sizes_and_explicit_flags_override_them(capsys):
+    size = lambda a: (a.width, a.depth, a.heads, a.patch)
+    assert size(train.get_args(["--out", "/nonexistent"])) == (192, 4, 4, 4)  # the CPU defaults
+    assert size(train.get_args(["--model", "S/2"])) == (384, 12, 6, 2)  # DiT-S/2
+    assert size(train.get_args(["--model", "XL/4", "--depth", "2", "--patch", "8"])) == (1152, 2, 16, 8)
+    with pytest.raises(SystemExit):
+        train.get_args(["--model", "M/2"])
+    assert "choose from" in capsys.readouterr().err
 
 
 def synthetic_step_inputs(S, n=16):
@@ -944,16 +954,16 @@ def test_atomic_write_never_leaves_a_torn_file_and_keeps_the_previous_one(tmp_pa
     path, keep = str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt.prev.pt")
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    model.atomic_write(path, lambda f: f.write(b"first"))
+    data.atomic_write(path, lambda f: f.write(b"first"))
     assert open(path, "rb").read() == b"first" and len(synced) == 2  # the file, then its folder
 
     def torn(f):  # half written, then the disk is full
         f.write(b"sec")
         raise OSError(28, "No space left on device")
     with pytest.raises(OSError, match="No space"):
-        model.atomic_write(path, torn, keep=keep)
+        data.atomic_write(path, torn, keep=keep)
     assert open(path, "rb").read() == b"first" and sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no .tmp left
-    model.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
+    data.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
     assert open(path, "rb").read() == b"second" and open(keep, "rb").read() == b"first"
 
 
@@ -963,9 +973,15 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
     train.main(flags)
     with pytest.raises(SystemExit, match="the checkpoint's model .* differs from the flags'"):
         train.main(flags + ["--width", "64", "--resume"])
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    path = os.path.join(out, "ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    old = dict(ckpt, ema={k.replace("adaln", "ada"): v for k, v in ckpt["ema"].items()})  # an older model.py's names
+    torch.save(old, path)
+    for load in (lambda: train.main(flags + ["--resume"]), lambda: sample.load(path)):
+        with pytest.raises(SystemExit, match="written by another version of model.py .tensors blocks.0.c.ada.bias"):
+            load()
     ckpt["data"] = ckpt["data"] * 2  # as if written by 2 ranks
-    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    torch.save(ckpt, path)
     with pytest.raises(SystemExit, match="written by 2 ranks with --dist none: resume with --dist none on as many"):
         train.main(flags + ["--steps", "3", "--override", "steps", "--resume"])
 
@@ -1114,7 +1130,7 @@ def test_the_training_step_never_makes_the_host_wait_for_the_device(impl, monkey
         assert tolist or reads.seen
         return
     assert not reads.seen and not tolist, reads.seen
-    assert S.step == 3 and S.bad.tolist() == [1, 1, 1] and bool(st["bad"])
+    assert S.step == 3 and [int(v) for v in S.bad_steps.values()] == [1, 1, 1] and bool(st["bad_step"])
 
 
 def test_topk_picks_the_most_probable_experts_and_renormalises_their_weights():
@@ -1231,6 +1247,9 @@ def test_upcycled_model_starts_equal_to_its_dense_parent():
     assert torch.equal(experts[0], experts[3])  # identical copies; routing breaks the symmetry
     with pytest.raises(SystemExit, match="--expert-hidden"):
         moe.upcycle(tiny_model(moe=4), dense.state_dict())
+    older = {k.replace("adaln", "ada"): v for k, v in dense.state_dict().items()}  # an older model.py's names
+    with pytest.raises(SystemExit, match="not a dense checkpoint of this model.py .tensors blocks.0.c.ada.bias"):
+        moe.upcycle(sparse, older)
 
 
 @pytest.mark.parametrize("impl,precision", [("grouped", "bf16"), ("sorted", "fp32")])
@@ -1494,7 +1513,7 @@ def ep_layer_worker(rank, port, world=4):
             for name, p in layer.named_parameters():
                 grad = p.grad.clone()
                 want = one.get_parameter(name).grad
-                if name in moe.sharded(layer):  # this rank's experts: already the whole batch's gradient
+                if name in moe.expert_param_names(layer):  # this rank's experts: already the whole batch's gradient
                     want = want.chunk(2)[rank % 2]
                 else:  # replicated: DDP's mean over ranks
                     torch.distributed.all_reduce(grad)
@@ -1736,7 +1755,7 @@ def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it_and_a_missi
                                                                                                        monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    for flag, load in (("--vae", load_vae), ("--text-encoder", TextEncoder), ("--clip-model", sample.load_clip)):
+    for flag, load in (("--vae", load_vae), ("--text-encoder", TextEncoder), ("--clip-model", eval.load_clip)):
         with pytest.raises(SystemExit, match="huggingface-cli download .*HF_HOME.*save_pretrained"):
             load("no such model")  # not a folder, not a valid hub id: the hub is never asked
         for path in ("/no/such/model", "./model", "data/model"):  # a mistyped folder, not a hub repo "data/model"
@@ -1902,25 +1921,25 @@ def shapes_uint8(n, seed, colors=tuple(data.COLORS)):
     rng = random.Random(seed)
     ims = [data.render(rng.choice(colors), rng.choice(data.SHAPES), rng.choice(list(data.POSITIONS)), 16, rng)
            for _ in range(n)]
-    return sample.stack_uint8(ims, 16)
+    return eval.stack_uint8(ims, 16)
 
 
 def test_fid_is_the_frechet_distance_of_the_features_and_is_sees_diversity(tmp_path):
     from scipy import linalg
     net = make_feature_net(tmp_path / "feat.pt")
     a, b = shapes_uint8(64, 0), shapes_uint8(64, 1, colors=("red",))  # b: one colour only
-    nets = sample.feature_nets(net)
-    same, fresh, other = (sample.fid_is(a, x, nets) for x in (a, shapes_uint8(64, 2), b))
+    nets = eval.feature_nets(net)
+    same, fresh, other = (eval.fid_is(a, x, nets) for x in (a, shapes_uint8(64, 2), b))
     fa, fb = (nets[0](x).double().numpy() for x in (a, b))  # by hand: |mu_a - mu_b|^2 + Tr(Sa + Sb - 2 (Sa Sb)^1/2)
     sa, sb = np.cov(fa, rowvar=False), np.cov(fb, rowvar=False)
     hand = ((fa.mean(0) - fb.mean(0)) ** 2).sum() + np.trace(sa + sb - 2 * linalg.sqrtm(sa @ sb).real)
     assert math.isclose(other["fid"], hand, rel_tol=1e-3), (other["fid"], hand)
     assert abs(same["fid"]) < 1e-4 and other["fid"] > 2 * fresh["fid"] > 0  # a new draw sits closer than red-only
     same_image = a[:1].expand(64, -1, -1, -1)  # p(y|x) = p(y) for every x: IS = exp(0) = 1
-    assert math.isclose(sample.fid_is(a, same_image, nets)["inception_score"], 1, abs_tol=1e-4)
+    assert math.isclose(eval.fid_is(a, same_image, nets)["inception_score"], 1, abs_tol=1e-4)
     assert same["inception_score"] > 1.02  # varied images, varied labels (1.047 here)
     # a network with one output serves both (IS then reads the features as logits)
-    single = sample.fid_is(a, b, sample.feature_nets(make_feature_net(tmp_path / "one.pt", logits=False)))
+    single = eval.fid_is(a, b, eval.feature_nets(make_feature_net(tmp_path / "one.pt", logits=False)))
     assert single["fid"] > 0 and math.isfinite(single["inception_score"])
 
 
@@ -1928,7 +1947,7 @@ def test_tiny_clip_gives_the_clip_score_by_hand_and_loads_as_a_text_encoder(tmp_
     from transformers import AutoTokenizer, CLIPModel, CLIPProcessor, CLIPTextModel
     folder = make_tiny_clip(tmp_path / "clip")
     images, captions = shapes_uint8(4, 0), ["a red circle", "a blue square", "x", "two words"]
-    score = sample.clip_score(images, captions, sample.load_clip(folder))  # what --clip-model <folder> runs
+    score = eval.clip_score(images, captions, eval.load_clip(folder))  # what --clip-model <folder> runs
     model, proc = CLIPModel.from_pretrained(folder).eval(), CLIPProcessor.from_pretrained(folder)
     x = proc(text=captions, images=list(images), return_tensors="pt", padding=True)
     with torch.no_grad():  # by hand: mean over pairs of max(100 cos(image, its caption), 0)
@@ -1936,7 +1955,7 @@ def test_tiny_clip_gives_the_clip_score_by_hand_and_loads_as_a_text_encoder(tmp_
         t = model.get_text_features(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).pooler_output
     hand = (100 * torch.cosine_similarity(i, t)).clamp(min=0).mean().item()
     assert hand > 1 and math.isclose(score, hand, rel_tol=1e-4), (score, hand)
-    assert not math.isclose(sample.clip_score(images, captions[::-1], sample.load_clip(folder)), hand, rel_tol=1e-3)
+    assert not math.isclose(eval.clip_score(images, captions[::-1], eval.load_clip(folder)), hand, rel_tol=1e-3)
     tok, text = AutoTokenizer.from_pretrained(folder), CLIPTextModel.from_pretrained(folder)
     caps = ["a red circle in the top left", "x"]
     t = tok(caps, padding="max_length", max_length=77, return_tensors="pt")
@@ -1952,13 +1971,13 @@ def test_missing_metric_model_is_a_clear_error(tmp_path, which):
     missing = str(tmp_path / "nowhere")
     with pytest.raises(SystemExit) as e:
         if which == "clip":
-            sample.load_clip(missing)
+            eval.load_clip(missing)
         elif which == "torchscript":
-            sample.feature_nets(missing)
+            eval.feature_nets(missing)
         else:
             if importlib.util.find_spec("torch_fidelity"):
                 pytest.skip("torch-fidelity is installed here")
-            sample.feature_nets("inception")
+            eval.feature_nets("inception")
     msg = str(e.value)
     fix = {"clip": ["--clip-model", missing, "no such folder", "save_pretrained"],
            "torchscript": ["--features", missing, "TorchScript"],
@@ -1991,12 +2010,12 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     # the wiring, by hand: samples of the real captions (same seed) set against the real images, and the CLIPScore
     # of those samples against their own captions (real images in place of samples, or other captions, differ)
     model, encoder, _ = sample.load(os.path.join(out, "ckpt.pt"))
-    real, captions = sample.real_images(str(shards), 16, 10, 0)
-    fake = sample.as_uint8(sample.draw(model, encoder, None, captions, 2, 3.0, 0, model.t_shift))
-    by_hand = sample.fid_is(real, fake, sample.feature_nets(str(tmp_path / "f.pt")))
+    real, captions = eval.real_images(str(shards), 16, 10, 0)
+    fake = data.as_uint8(sample.sample_images(model, encoder, None, captions, 2, 3.0, 0, model.t_shift))
+    by_hand = eval.fid_is(real, fake, eval.feature_nets(str(tmp_path / "f.pt")))
     assert by_hand["fid"] > 0.01 and all(math.isclose(scores[k], by_hand[k], rel_tol=1e-5)  # (KID: random subsets)
                                          for k in ("fid", "inception_score")), (scores, by_hand)
-    clip_of = lambda images, words: sample.clip_score(images, words, sample.load_clip(clip))
+    clip_of = lambda images, words: eval.clip_score(images, words, eval.load_clip(clip))
     assert math.isclose(scores["clip_score"], clip_of(fake, captions), rel_tol=1e-4)  # (its batches round apart)
     assert not math.isclose(scores["clip_score"], clip_of(real, captions), rel_tol=1e-3)
     assert not math.isclose(scores["clip_score"], clip_of(fake, captions[::-1]), rel_tol=1e-3)
@@ -2026,7 +2045,7 @@ def test_data_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
         pytest.skip(f"python data.py emoji needs {data.EMOJI_FONT} (apt-get install fonts-noto-color-emoji)")
     r = run("emoji", tmp_path / "emoji", "--categories", "food", "--size", "16")
     assert r.returncode == 0, r.stderr[-3000:]
-    names = sample.names_set(str(tmp_path / "emoji"), 16)
+    names = eval.names_set(str(tmp_path / "emoji"), 16)
     assert "red apple" in names["names"] and len(names["real"]) == len(names["names"]) > 100
 
 
@@ -2131,7 +2150,7 @@ def emoji_set(tmp_path_factory):
 @pytest.mark.xdist_group("emoji_set")
 def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(emoji_set):
     out, glyphs = emoji_set
-    names = sample.names_set(out, 16)
+    names = eval.names_set(out, 16)
     assert names["names"] == [n for _, n, _ in glyphs] and sha256sum_check(out)[0] == 0
     samples = [s for shard in data.resolve_shards(out, 16) for s in wds.tarfile_samples([{"url": shard}])]
     captions = sorted(s["txt"].decode() for s in samples)
@@ -2145,22 +2164,22 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
 @pytest.mark.xdist_group("emoji_set")
 def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
     out, _ = emoji_set
-    names = sample.names_set(out, 16)
+    names = eval.names_set(out, 16)
     real = names["real"]
     want = torch.arange(len(real)).repeat(4)
-    near_misses = sample.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
-    good = sample.score_names(near_misses, want, names)  # trains NameNet on first use and caches it beside the set
+    near_misses = eval.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
+    good = eval.retrieval_scores(near_misses, want, names)  # trains NameNet on first use and caches it beside the set
     assert os.path.exists(os.path.join(out, "namenet16.pt"))
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
-    wrong = sample.score_names(near_misses, want.roll(1), names)  # each picture under another's name
+    wrong = eval.retrieval_scores(near_misses, want.roll(1), names)  # each picture under another's name
     assert wrong["top1"] <= 0.2
-    noise = sample.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
-    bad = sample.score_names(noise, want, names)
+    noise = data.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
+    bad = eval.retrieval_scores(noise, want, names)
     assert bad["fid"] > 2 * good["fid"] and bad["kid"] > good["kid"] and bad["sharpness"] > 2
-    speckled = sample.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
-    blurred = sample.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
-    s_speckled = sample.score_names(speckled, want, names, fid=False)["sharpness"]
-    assert s_speckled > 1.2 and sample.score_names(blurred, want, names, fid=False)["sharpness"] < 0.8
+    speckled = data.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
+    blurred = data.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
+    s_speckled = eval.retrieval_scores(speckled, want, names, fid=False)["sharpness"]
+    assert s_speckled > 1.2 and eval.retrieval_scores(blurred, want, names, fid=False)["sharpness"] < 0.8
 
 
 @pytest.mark.xdist_group("emoji_set")
@@ -2196,13 +2215,13 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     assert scores["n"] == 16 and scores["cfg"] == 0 and scores["chance5"] == 5 / 8 and "retrieval top-1" in said
     # the wiring, by hand: every name twice in the held-out wording, drawn with the same noise, scored against the set
     model, encoder, _ = sample.load(os.path.join(run, "ckpt.pt"))
-    names = sample.names_set(out, 16)
+    names = eval.names_set(out, 16)
     want = torch.arange(8).repeat_interleave(2)
-    fake = sample.as_uint8(sample.draw(model, encoder, None, [names["heldout"].format(name=names["names"][i])
+    fake = data.as_uint8(sample.sample_images(model, encoder, None, [names["heldout"].format(name=names["names"][i])
                                                             for i in want], 2, 0.0, 0, model.t_shift))
-    by_hand = sample.score_names(fake, want, names, fid=True)
+    by_hand = eval.retrieval_scores(fake, want, names, fid=True)
     assert all(math.isclose(scores[k], by_hand[k], rel_tol=1e-6) for k in ("top1", "top5", "sharpness", "fid"))
-    real = sample.score_names(names["real"][want], want, names, fid=True)  # the real pictures in place of samples
+    real = eval.retrieval_scores(names["real"][want], want, names, fid=True)  # the real pictures in place of samples
     assert (real["top1"], real["fid"]) != (by_hand["top1"], by_hand["fid"]), real
     assert os.path.exists(os.path.join(run, "eval_2steps_cfg0.png"))
 
@@ -2232,7 +2251,7 @@ def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_
     def spy(S, *a, **k):  # a bad step must leave model, EMA and optimizer moments exactly as they were
         before = copy.deepcopy({k: getattr(S, k).state_dict() for k in ("model", "ema", "opt", "sched")})
         st = real(S, *a, **k)
-        if st["bad"]:
+        if st["bad_step"]:
             after = {k: getattr(S, k).state_dict() for k in before}
             for k in ("model", "ema"):
                 assert all(torch.equal(before[k][n], after[k][n]) for n in before[k]), k
@@ -2250,7 +2269,8 @@ def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_
     assert len(bad) == 1 and bad[0]["loss"] is None and bad[0]["step"] == 4
     assert [r for r in recs if "loss" in r][-1]["bad_steps"] == 1
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ckpt["step"] == 8 and ckpt["bad"].tolist() == [1, 0, 1]  # total, in a row now, longest run
+    assert ckpt["step"] == 8
+    assert {k: int(v) for k, v in ckpt["bad_steps"].items()} == dict(total=1, in_a_row=0, longest=1)
     assert all(v.isfinite().all() for k in ("model", "ema") for v in ckpt[k].values())
 
 

@@ -1,9 +1,11 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
-In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule) -> one training step -> the loop,
-whose outline is main(); after one banner, what a first read may skip: logging, checkpoints, evaluation, signals,
-exits. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off RANK; profile.py and the tests reuse
-its parser and step. Resume is exact: a checkpoint holds every state, RNGs and each rank's data.Position included.
+In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule, and the engine) -> one training step
+-> the loop, whose outline is main(); after one banner, what a first read may skip: logging, checkpoints, evaluation,
+signals, exits. The engine (one process, DDP, DeepSpeed ZeRO-2) is chosen once in setup(); the step and the loop
+only call its micro_batch / backward / step. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off
+RANK; profile.py and the tests reuse its parser and step. Resume is exact: a checkpoint holds every state, RNGs and
+each rank's data.Position included.
 """
 import argparse
 import contextlib
@@ -22,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 import data
+import eval
 import flow
 import moe
 import sample
-from model import DiT, TextEncoder, append_json, atomic_write, count_params, device, load_vae, read_json, write_json
+from data import append_json, atomic_write, read_json, write_json
+from model import MODELS, DiT, TextEncoder, count_params, device, load_vae, preset
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
@@ -42,10 +46,11 @@ def get_parser():
     a("--text-cache", type=int, default=100_000, help="distinct captions whose states stay cached (CPU, fp16)")
     a("--vae", default="none", help="'none' = pixels, or a frozen diffusers AutoencoderKL: hub id or folder")
     a("--image-size", type=int, default=32, help="training resolution in pixels")
-    a("--width", type=int, default=192, help="transformer width D")
-    a("--depth", type=int, default=4, help="number of dual-stream layers")
-    a("--heads", type=int, default=4, help="attention heads (width must divide by it)")
-    a("--patch", type=int, default=4, help="patch size p: image tokens N = (image_size / p)^2")
+    a("--model", choices=MODELS, help="DiT's sizes S/B/L/XL with patch 2/4/8 (e.g. S/2); the four flags below override")
+    a("--width", type=int, help="transformer width D (default 192)")
+    a("--depth", type=int, help="number of dual-stream layers (default 4)")
+    a("--heads", type=int, help="attention heads, width a multiple of it (default 4)")
+    a("--patch", type=int, help="patch size p: image tokens N = (image_size / p)^2 (default 4)")
     a("--attn", default="sdpa", choices=["manual", "sdpa"], help="softmax(QK^T/sqrt d)V written out, or SDPA")
     a("--moe", type=int, default=0, help="experts per image-stream MLP (DiT-MoE); 0 = dense")
     a("--topk", type=int, default=2, help="experts each image token is routed to")
@@ -90,6 +95,9 @@ def get_args(argv=None, parser=None):
     """Parse and check the flags; `parser` lets profile.py add its own to the very same set."""
     p = parser or get_parser()
     args = p.parse_args(argv)
+    size = dict(width=192, depth=4, heads=4, patch=4) | (preset(args.model) if args.model else {})
+    for k, v in size.items():  # a flag given explicitly wins over --model, which wins over the CPU default
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     if args.image_size % args.patch:  # (with a VAE, setup() checks the latent size too)
         ok = [q for q in (1, 2, 4, 8, 16) if args.image_size % q == 0]
         p.error(f"--patch {args.patch} does not divide --image-size {args.image_size}; use one of {ok}")
@@ -115,6 +123,71 @@ def get_args(argv=None, parser=None):
     return args
 
 
+# ---- The engine: how a step's gradients are made and applied; chosen once, then the step never asks which ---------
+class Engine:
+    """One process, or DDP (`--dist ddp`: each rank's gradients averaged in the backward). `forward` is what the step
+    calls: the model, compiled (`--compile`) and/or DDP-wrapped; EMA, samples and checkpoints use the plain model."""
+    zero = False  # True: the optimizer state is partitioned over the ranks (checkpointed as a folder per rank)
+
+    def __init__(self, model, opt, forward, world, micro_batches):
+        self.model, self.opt, self.forward, self.world, self.micro_batches = model, opt, forward, world, micro_batches
+
+    def micro_batch(self, last):
+        """Context for one micro-batch's forward and backward: DDP all-reduces only in the last one's backward."""
+        ddp = isinstance(self.forward, torch.nn.parallel.DistributedDataParallel)
+        return self.forward.no_sync() if ddp and not last else contextlib.nullcontext()
+
+    def backward(self, loss):
+        """Add the gradients of this micro-batch's share of the step's loss."""
+        (loss / self.micro_batches).backward()
+
+    def step(self, loss):
+        """Clip at 1.0 and update, on the device: a non-finite loss or gradient norm skips the whole update (fused
+        AdamW's found_inf), the same way on every rank (the gradients, hence their norm, are the same on all).
+        -> (gradient norm, bad step)."""
+        moe.reduce_expert_grads(self.model, self.world)  # --ep: the experts' gradients, as DDP's mean would give them
+        grad_norm = moe.clip_grad_norm_(self.model, 1.0)  # (NaN/inf pass through; --ep: the whole model's)
+        bad_step = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+        self.opt.found_inf = bad_step.float()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return grad_norm, bad_step
+
+
+class DeepSpeedEngine(Engine):
+    """DeepSpeed ZeRO-2 (`--dist deepspeed`): optimizer states and gradients partitioned over ranks, weights replicated.
+    Our AdamW is passed in (nothing is JIT-built); it clips at 1.0 as the others do; its config is this dict."""
+    zero = True
+
+    def __init__(self, model, opt, args):
+        import deepspeed
+        config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
+                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+                  "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
+        self.model, self.opt = model, opt
+        self.forward = self.ds = deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
+
+    def backward(self, loss):  # (it divides by the micro-batches itself, and counts them in step():)
+        self.ds.backward(loss)
+        self.ds.step()  # after the last micro-batch: reduce-scatter, clip, update its partition (skips inf/NaN)
+
+    def step(self, loss):
+        grad_norm = torch.tensor(float(self.ds.get_global_grad_norm() or 0.0), device=loss.device)
+        return grad_norm, ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+
+
+def make_engine(args, model, opt, dev, world, local_rank):
+    """--dist none | ddp | deepspeed -> the Engine."""
+    if args.dist == "deepspeed":
+        return DeepSpeedEngine(model, opt, args)
+    forward = torch.compile(model) if args.compile else model
+    if world > 1:  # compile first, then wrap; DDP finds idle experts' unused parameters (--ep: it holds none)
+        forward._ddp_params_and_buffers_to_ignore = moe.expert_param_names(forward)  # see moe.reduce_expert_grads
+        forward = torch.nn.parallel.DistributedDataParallel(forward, device_ids=[local_rank] if dev == "cuda" else None,
+                                                            find_unused_parameters=args.moe > 0 and args.ep == 1)
+    return Engine(model, opt, forward, world, args.grad_accum)
+
+
 # ---- Set-up: the run's state, built once, advanced by every step, saved by every checkpoint -------------------------
 @dataclasses.dataclass
 class Run:
@@ -125,28 +198,27 @@ class Run:
     config: dict                   # DiT(**config): saved, so sample.py rebuilds the model without the flags
     model: torch.nn.Module         # the weights being trained
     ema: torch.nn.Module           # their exponential moving average: samples and evaluation use it
-    fwd: object                    # what the step calls: the model, compiled and/or DDP- or DeepSpeed-wrapped
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
+    engine: Engine                 # one process, DDP or DeepSpeed: what the step calls for gradients and updates
     gen: torch.Generator           # noise, t and caption drop: seeded alike on every rank
     encoder: TextEncoder           # frozen
     vae: object = None             # frozen model.VAE; None = the model works on pixels
-    engine: object = None          # the DeepSpeed engine (--dist deepspeed), else None
     step: int = 0                  # optimizer steps taken
     position: data.Position = dataclasses.field(default_factory=data.Position)  # this rank's place in its data
-    bad: torch.Tensor = None       # non-finite steps, counted on the device: (total, in a row now, longest run)
+    bad_steps: dict = None         # non-finite loss or gradient norm, skipped: {total, in_a_row, longest} on the device
     ckpt_step: int = None          # step of the last checkpoint this process wrote (None: none yet)
-    ds_tag: str = None             # DeepSpeed: that checkpoint's partition folder
+    zero_tag: str = None           # DeepSpeed: that checkpoint's partition folder
     shards: list = None            # the training data
     buckets: dict = None           # its aspect-ratio buckets {(W, H): samples}; None: square pictures
-    judged: bool = False           # built-in shapes: sample.judge grades samples
+    judged: bool = False           # built-in shapes: eval.judge grades samples
     names: dict = None             # a names set (python data.py emoji): retrieval scores samples
     log: object = None             # log.jsonl, open on rank 0
     t_start: float = 0.0           # time.time() at start-up
 
 
 def setup(args, shape=None):
-    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule -> the Run (profile.py: `shape`)."""
+    """Device, process group, seeds, encoder, model, EMA, optimizer, schedule, engine -> the Run (profile: `shape`)."""
     dev, rank, local_rank, world = device(), 0, 0, 1
     if args.dist != "none":  # torchrun sets these; plain `python train.py` never gets here
         rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -173,9 +245,9 @@ def setup(args, shape=None):
     model = DiT(**config).to(dev)
     model.grad_ckpt = args.grad_ckpt  # (how it computes, not what: not part of the config)
     if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
-        n = moe.upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
+        copied = moe.upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
         if rank == 0:
-            print(f"upcycled from {args.upcycle}: {n} tensors copied, every expert = the dense MLP, routers fresh")
+            print(f"upcycled from {args.upcycle}: {copied} tensors copied, every expert = the dense MLP, routers fresh")
     ema = copy.deepcopy(model).requires_grad_(False)
     moe.shard_experts([model, ema], args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
@@ -189,19 +261,11 @@ def setup(args, shape=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     # noise, t, caption drop: every rank draws the global batch's and keeps its slice (a run is split-independent)
     gen = torch.Generator(dev).manual_seed(args.seed)
-    fwd, engine = torch.compile(model) if args.compile else model, None  # EMA, samples, ckpts use the plain module
-    if args.dist == "deepspeed":  # ZeRO-2: optimizer states and gradients partitioned over ranks, weights replicated
-        import deepspeed  # (our AdamW is passed in: nothing is JIT-built; clipping as in the others)
-        ds = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-              "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10 ** 9}
-        engine = fwd = deepspeed.initialize(model=model, optimizer=opt, config=ds)[0]  # runs the model too
-    elif world > 1:  # compile first, then wrap; DDP finds idle experts' unused parameters (--ep: it holds none)
-        fwd._ddp_params_and_buffers_to_ignore = moe.sharded(fwd)  # --ep's experts: see moe.reduce_expert_grads
-        fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[local_rank] if dev == "cuda" else None,
-                                                        find_unused_parameters=args.moe > 0 and args.ep == 1)
-    return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, fwd=fwd, opt=opt, sched=sched,
-               gen=gen, encoder=encoder, vae=vae, engine=engine, bad=torch.zeros(3, device=dev))
+    engine = make_engine(args, model, opt, dev, world, local_rank)
+    zero = lambda: torch.zeros((), device=dev)
+    return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, opt=opt, sched=sched,
+               engine=engine, gen=gen, encoder=encoder, vae=vae,
+               bad_steps=dict(total=zero(), in_a_row=zero(), longest=zero()))
 
 
 def start(args):
@@ -217,7 +281,7 @@ def start(args):
     run.judged = data.BUILTIN in (args.data, (pre or {}).get("source")) or args.data == data.MIXED  # (it knows these)
     run.buckets = data.bucket_shares(shards, args.image_size, args.patch * (run.vae.factor if run.vae else 1))
     master = run.rank == 0  # only rank 0 prints, logs, samples and writes files
-    run.names = sample.names_set(args.data, args.image_size) if master and not pre else None  # retrieval scores
+    run.names = eval.names_set(args.data, args.image_size) if master and not pre else None  # retrieval scores
     run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
@@ -240,68 +304,56 @@ def start(args):
 
 
 # ---- One training step ----------------------------------------------------------------------------------------------
-def train_step(run, args, micro, mark=None):
-    """One optimizer step over this rank's micro-batches [(x0, text, mask)]: flow loss (+ MoE balance loss) -> backward
-    -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync. A non-finite loss or gradient norm changes no weight,
-    moment or EMA (fused AdamW's `found_inf`; ZeRO skips its update) but takes its step number; run.bad counts them."""
+def train_step(run, args, micro_batches, mark=None):
+    """One optimizer step over this rank's micro-batches [(x0, text, mask)]: times, noise and caption drops drawn for
+    the global batch (every rank draws all and keeps its slice, so a run does not depend on how the batch is split)
+    -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync. A
+    non-finite loss or gradient norm changes no weight, moment or EMA, but takes its step number (run.bad_steps)."""
     mark = mark or (lambda phase: None)  # (profile.py times the phases)
-    n, N, W, r, dev = micro[0][0].shape[0], len(micro), run.world, run.rank, run.dev
-    keep = torch.rand(n * N * W, generator=run.gen, device=dev) >= args.cfg_drop  # (global batch,)
-    t_all = flow.sample_t(n * N * W, args.t_dist, run.gen, dev, args.t_shift)
-    if run.engine is None:
-        run.opt.zero_grad(set_to_none=True)
+    dev, last = run.dev, len(micro_batches) - 1
+    per_rank = micro_batches[0][0].shape[0]              # images in one micro-batch of one rank
+    per_micro = per_rank * run.world                      # ... of all ranks
+    global_batch = per_micro * len(micro_batches)
+    keep = torch.rand(global_batch, generator=run.gen, device=dev) >= args.cfg_drop  # False: the null caption
+    t_all = flow.sample_t(global_batch, args.t_dist, run.gen, dev, args.t_shift)
     loss, balance, t, per_sample = 0, 0, [], []
-    for i, (x0, text, mask) in enumerate(micro):
-        mine = slice((i * W + r) * n, (i * W + r + 1) * n)  # micro-batch i of rank r in the global batch
+    for i, (x0, text, mask) in enumerate(micro_batches):
+        mine = slice(i * per_micro + run.rank * per_rank, i * per_micro + (run.rank + 1) * per_rank)
         text, mask = flow.drop_captions(text, mask, keep[mine])
-        eps = torch.randn((n * W, *x0.shape[1:]), generator=run.gen, device=dev)[r * n:(r + 1) * n]  # (its bucket's)
-        quiet = run.engine is None and W > 1 and i < N - 1  # DDP: all-reduce only the last micro-batch's backward
-        with run.fwd.no_sync() if quiet else contextlib.nullcontext():
+        eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)  # (this bucket's shape)
+        eps = eps[run.rank * per_rank:(run.rank + 1) * per_rank]
+        with run.engine.micro_batch(last=i == last):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                loss_i, per_i = flow.flow_loss(run.fwd, x0, text, mask, t_all[mine], eps, args.contrast)
-                balance_i = moe.balance_loss(run.model, W > 1).to(loss_i.device)  # (0 for a dense model)
+                loss_i, per_i = flow.flow_loss(run.engine.forward, x0, text, mask, t_all[mine], eps, args.contrast)
+                balance_i = moe.balance_loss(run.model, run.world > 1).to(loss_i.device)  # (0 for a dense model)
             mark("forward")
-            if run.engine is not None:  # DeepSpeed divides by its gradient_accumulation_steps itself
-                run.engine.backward(loss_i + balance_i)
-            else:  # DDP averages the gradients over ranks during the last backward
-                ((loss_i + balance_i) / N).backward()
+            run.engine.backward(loss_i + balance_i)
             mark("backward")
-        if run.engine is not None:  # reduce-scatter, clip, step its partition: only at the last micro-batch
-            run.engine.step()  # (it checks the global gradient norm itself: inf/NaN -> no update; it syncs)
-        loss, balance = loss + per_i.detach().mean() / N, balance + balance_i.detach() / N  # (the plain flow loss)
+        loss = loss + per_i.detach().mean() / len(micro_batches)  # (for the log: the plain flow loss)
+        balance = balance + balance_i.detach() / len(micro_batches)
         t.append(t_all[mine])
         per_sample.append(per_i.detach())
-    moe.reduce_expert_grads(run.model, W)  # --ep: the experts' gradients, as DDP's mean would give them
-    if run.engine is not None:
-        grad_norm = torch.tensor(float(run.engine.get_global_grad_norm() or 0.0), device=dev)
-    else:
-        grad_norm = moe.clip_grad_norm_(run.model, 1.0)  # (NaN/inf pass through; --ep: the whole model's)
-    # under DDP the gradients, hence their norm, are the same on every rank: every rank decides alike
-    bad = ~torch.isfinite(loss + balance) | ~torch.isfinite(grad_norm)
-    if run.engine is None:
-        run.opt.found_inf = bad.float()  # fused AdamW: a nonzero found_inf skips the whole update on the device
-        run.opt.step()
-    moe.nudge_biases(run.model, args.bias_rate, skip=bad)  # --balance bias: by the loads of the global batch
+    grad_norm, bad_step = run.engine.step(loss + balance)  # clip, update (not on a bad step)
+    moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)  # --balance bias: by the loads of the global batch
     run.sched.step()
     run.step += 1
     decay = min(args.ema, (1 + run.step) / (10 + run.step))  # short runs: let EMA catch up early
     with torch.no_grad():  # EMA <- EMA + (1 - decay)(model - EMA), all tensors in one fused op; not on a bad step
         ema = list(run.ema.parameters())
-        torch._foreach_lerp_(ema, list(run.model.parameters()), [(~bad).float() * (1 - decay)] * len(ema))
+        torch._foreach_lerp_(ema, list(run.model.parameters()), [(~bad_step).float() * (1 - decay)] * len(ema))
         for be, bm in zip(run.ema.buffers(), run.model.buffers()):  # (--balance bias: the EMA routes alike)
             be.copy_(bm)
-    in_a_row = (run.bad[1] + 1) * bad.float()
-    run.bad = torch.stack([run.bad[0] + bad.float(), in_a_row, torch.maximum(run.bad[2], in_a_row)])
+    count_bad_step(run, bad_step)
     mark("optimizer")
     return dict(loss=loss, balance=balance, t=torch.cat(t), per_sample=torch.cat(per_sample), grad_norm=grad_norm,
-                bad=bad)
+                bad_step=bad_step)
 
 
-def encode_batch(run, b):
+def encode_batch(run, batch):
     """A loader batch -> (x0, text, mask) on the device, through the frozen VAE and text encoder (or precomputed)."""
-    if "latent" in b:
-        return b["latent"].to(run.dev).float(), b["text"].to(run.dev).float(), b["mask"].to(run.dev)
-    x0, (text, mask) = b["image"].to(run.dev, non_blocking=True), run.encoder(b["caption"])  # (captions: cached)
+    if "latent" in batch:
+        return batch["latent"].to(run.dev).float(), batch["text"].to(run.dev).float(), batch["mask"].to(run.dev)
+    x0, (text, mask) = batch["image"].to(run.dev, non_blocking=True), run.encoder(batch["caption"])  # (cached)
     return (x0 if run.vae is None else run.vae.encode(x0)), text, mask
 
 
@@ -317,11 +369,12 @@ def train_loop(args, run, signals):
     # loader's locks held (the close would then hang) or its data position half-updated. A second one raises at once.
     signals.defer = True
     try:
-        b = next(stream) if run.step < args.steps else None  # (data.batches exits where a rank has no batch)
-        while b is not None:
-            micro = [encode_batch(run, b)] + [encode_batch(run, next(stream)) for _ in range(args.grad_accum - 1)]
-            out = train_step(run, args, micro)
-            n_seen += sum(x0.shape[0] for x0, _, _ in micro) * run.world
+        batch = next(stream) if run.step < args.steps else None  # (data.batches exits where a rank has no batch)
+        while batch is not None:
+            micro_batches = [encode_batch(run, batch)] + [encode_batch(run, next(stream))
+                                                          for _ in range(args.grad_accum - 1)]
+            out = train_step(run, args, micro_batches)
+            n_seen += sum(x0.shape[0] for x0, _, _ in micro_batches) * run.world
             if run.step % args.log_every == 0 or run.step == args.steps:  # the only steps that read the device
                 stopped = log_step(run, args, out, signals, n_seen / (time.time() - t_window), bar)
                 n_seen, t_window = 0, time.time()
@@ -334,7 +387,7 @@ def train_loop(args, run, signals):
                 save_checkpoint(run, args)
             if run.step >= args.steps or stopped:  # before the next batch is fetched, so the saved
                 break                               # data position is exact
-            b = next(stream)
+            batch = next(stream)
     finally:  # stop the loader's workers now: they ignore TERM, so at exit multiprocessing would wait for them forever
         stream.close()
     bar.close()
@@ -370,13 +423,21 @@ def main(argv=None):
 
 
 # ==== What a first read may skip: logging, checkpoints, evaluation, stop signals, exits ==============================
+def count_bad_step(run, bad_step):
+    """run.bad_steps after a step, on the device: the total, the run in a row ending here, the longest such run."""
+    counts = run.bad_steps
+    counts["total"] = counts["total"] + bad_step.float()
+    counts["in_a_row"] = (counts["in_a_row"] + 1) * bad_step.float()
+    counts["longest"] = torch.maximum(counts["longest"], counts["in_a_row"])
+
+
 def log_step(run, args, out, signals, img_per_s, bar):
     """All ranks: the global loss and whether any was signalled (-> True: stop), the log line, a stop on bad steps."""
     flags = torch.stack([out["loss"], out["balance"], torch.full((), float(bool(signals.caught)), device=run.dev)])
     if run.world > 1:
         dist.all_reduce(flags)  # sum: the global mean losses, any rank's signal
     loss_sum, balance_sum, stop = flags.float().tolist()
-    total, in_a_row, longest = (int(v) for v in run.bad.tolist())  # the same on every rank (see train_step)
+    total, in_a_row, longest = (int(v) for v in torch.stack(list(run.bad_steps.values())).tolist())  # (all ranks')
     if run.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
         rec = dict(step=run.step, loss=loss_sum / run.world, loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
                    lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(), img_per_s=img_per_s,
@@ -397,9 +458,9 @@ def log_step(run, args, out, signals, img_per_s, bar):
 def save_checkpoint(run, args):
     """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts), the
     one before kept as ckpt.prev.pt. -> False if an OSError (disk full) stopped it: warned, nothing half-written."""
-    tag = f"step{run.step:06d}" if run.engine is not None else None  # DeepSpeed: each rank's optimizer partition
+    tag = f"step{run.step:06d}" if run.engine.zero else None  # DeepSpeed: each rank's optimizer partition
     if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
-        run.engine.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
+        run.engine.ds.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
     positions = [dataclasses.asdict(run.position)] * run.world
     if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
         dist.all_gather_object(positions, positions[0])
@@ -410,7 +471,8 @@ def save_checkpoint(run, args):
     ckpt = dict(model=model, ema=ema, opt=opt,  # (DeepSpeed: its optimizer state is in its tag folder)
                 deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
-                bad=run.bad.cpu(), data=positions, buckets=run.buckets and list(run.buckets))
+                bad_steps={k: v.cpu() for k, v in run.bad_steps.items()}, data=positions,
+                buckets=run.buckets and list(run.buckets))
     prev = os.path.join(args.out, PREV)
     if run.ckpt_step is None and os.path.exists(prev):  # another run's, left in this folder: never a fallback
         os.remove(prev)
@@ -421,11 +483,11 @@ def save_checkpoint(run, args):
         print(f"warning: checkpoint of step {run.step} not written ({e}); training goes on and the next save "
               f"retries; the last one written is step {run.ckpt_step}", file=sys.stderr)
         return False
-    if tag:  # older partition folders go only now that ckpt.pt names the new one (ckpt.prev.pt: run.ds_tag)
+    if tag:  # older partition folders go only now that ckpt.pt names the new one (ckpt.prev.pt: run.zero_tag)
         folder = os.path.join(args.out, "deepspeed")
-        for old in {d for d in os.listdir(folder) if d.startswith("step")} - {tag, run.ds_tag}:
+        for old in {d for d in os.listdir(folder) if d.startswith("step")} - {tag, run.zero_tag}:
             shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
-    run.ckpt_step, run.ds_tag = run.step, tag
+    run.ckpt_step, run.zero_tag = run.step, tag
     return True
 
 
@@ -465,18 +527,21 @@ def load_checkpoint(run, args):
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {run.config}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
     tag, saved = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
-    if len(ckpt["data"]) != run.world or (tag is None) != (run.engine is None):  # (ZeRO's partitions need both)
+    if len(ckpt["data"]) != run.world or (tag is not None) != run.engine.zero:  # (ZeRO's partitions need both)
         raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
                          f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
-    for k in ("model", "ema", "sched") + (("opt",) if tag is None else ()):
-        getattr(run, k).load_state_dict(ckpt[k] if k == "sched" else moe.reshard(run.model, ckpt[k], whole=False))
+    for k in ("model", "ema"):
+        getattr(run, k).load_weights(moe.reshard(run.model, ckpt[k], whole=False), f"{args.out}/{name}")
+    run.sched.load_state_dict(ckpt["sched"])
+    if tag is None:
+        run.opt.load_state_dict(moe.reshard(run.model, ckpt["opt"], whole=False))
     if tag is not None:  # weights, fp32 partition, AdamW moments (the lr is the schedule's)
-        run.engine.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_lr_scheduler_states=False)
+        run.engine.ds.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     run.gen.set_state(ckpt["rng"]["gen"])
     run.position, run.step, run.ckpt_step = data.Position(**ckpt["data"][run.rank]), ckpt["step"], ckpt["step"]
-    run.ds_tag, run.bad = tag, ckpt["bad"].to(run.dev)
+    run.zero_tag, run.bad_steps = tag, {k: v.to(run.dev) for k, v in ckpt["bad_steps"].items()}
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
         run.sched.base_lrs = [args.lr] * len(run.sched.base_lrs)
         for g in run.opt.param_groups:
@@ -491,8 +556,8 @@ def sample_grid(run, args, ema):
     """Rank 0: the whole EMA draws each held-out prompt (or name) -> samples/step_N.png, its scores, loss.png."""
     if run.rank == 0:
         path = os.path.join(args.out, "samples", f"step_{run.step:06d}.png")
-        acc = sample.evaluate(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
-                              args.t_shift, judge=run.judged, size=run.buckets)[0]
+        acc = sample.score_heldout(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
+                                   args.t_shift, judge=run.judged, size=run.buckets)[0]
         append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
         sample.plot_run(args.out)
 
@@ -506,17 +571,18 @@ def final_evaluation(args, run, signals):
         print(f"error: the final checkpoint was not written; the last on disk: step {run.ckpt_step}", file=sys.stderr)
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
-    print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad[0])}")
+    print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad_steps['total'])}")
     if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid (and loss.png)
         sample_grid(run, args, ema)
         if args.eval_n:
             print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
         return 0
     grid = os.path.join(args.out, "samples", "eval.png")  # held-out prompts or names, unseen wording, --seed noise
-    scores, fake, _ = sample.evaluate(ema, run.encoder, run.vae, run.names, grid, args.eval_n, args.sample_steps,
-                                      args.cfg, args.seed, args.t_shift, fid=True, size=run.buckets)
+    scores, fake, _ = sample.score_heldout(ema, run.encoder, run.vae, run.names, grid, args.eval_n,
+                                           args.sample_steps, args.cfg, args.seed, args.t_shift, fid=True,
+                                           size=run.buckets)
     append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
-    sample.report(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
+    eval.print_scores(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
     sample.plot_run(args.out)  # with the final scores
     return 0
 
@@ -561,8 +627,8 @@ def end(run, code, error=None):
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:
-        held = moe.sharded(run.model)  # (--ep: each rank's own experts differ)
-        flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters() if k not in held])
+        own_experts = moe.expert_param_names(run.model)  # (--ep: each rank's own experts differ)
+        flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters() if k not in own_experts])
         dist.broadcast(ref := flat.clone(), 0)  # (ref: rank 0's)
         per_rank = [None] * run.world  # (the same weights as rank 0?, optimizer state bytes: ZeRO-2 partitions them)
         dist.all_gather_object(per_rank, (torch.equal(flat, ref), optimizer_bytes(run.opt)))
