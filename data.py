@@ -6,7 +6,7 @@
 
   * built-in data a 2-core CPU learns in minutes *and* a program can grade: 3 shapes x 6 colours x 5 positions
     (24,000 images of 32 px in 16 shards, 6 caption templates; 2 more held out for evaluation), so "does the
-    picture show what its caption says?" is a number (sample.judge); `builtin-mixed`: in 5 aspect ratios;
+    picture show what its caption says?" is a number (eval.judge); `builtin-mixed`: in 5 aspect ratios;
   * streaming by hand: shard shuffle -> this rank's and this loader worker's shards -> tar samples -> shuffle
     buffer -> decode -> a pool per aspect-ratio bucket -> batches of one bucket; a bad sample is skipped and
     counted. The order is a pure function of (seed, epoch, rank, worker), a batch's bucket of its number (the

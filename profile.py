@@ -2,7 +2,7 @@
 
     python profile.py compute                        # fwd / bwd / optimizer ms, images/s, peak memory, MFU
     python profile.py compute --moe 8 --trace        # + a torch.profiler Chrome trace
-    python profile.py --compare moe=0,8 --markdown   # each setting in fresh processes, alternating: a ratio table
+    python profile.py --compare moe=0,8              # each setting in fresh processes, alternating: a ratio table
     python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
     python profile.py --compare ep=1,2 --moe 8       # 2 ranks each: experts split, the all-to-all as its own phase
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
@@ -74,7 +74,6 @@ def get_args(argv=None):
       "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,deepspeed, "
       "ep=1,2: 2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
     a("--repeats", type=int, help="--compare: runs per setting, alternating (default 3; suite: 2 on a GPU, 1 on CPU)")
-    a("--markdown", action="store_true", help="--compare: print the table as Markdown")
     a("--json", help="write the result JSON here (used by --compare)")
     return train.get_args(argv, parser=p)
 
@@ -114,14 +113,14 @@ def run_steps(run, args, n, get_batch, times=None):
             if args.ep > 1:
                 step["all_to_all"] = step.get("all_to_all", 0.0) + exchanged[0]
             last[0], exchanged[0] = now, 0.0
-        micro = []
+        micro_batches = []
         for _ in range(args.grad_accum):
-            b = get_batch()
+            batch = get_batch()
             mark("data_wait")
-            micro.append(train.encode_batch(run, b))  # frozen VAE + text encoder, or precomputed
+            micro_batches.append(train.encode_batch(run, batch))  # frozen VAE + text encoder, or precomputed
             mark("encoders")
         with timing_exchanges(exchanged):
-            train.train_step(run, args, micro, mark)
+            train.train_step(run, args, micro_batches, mark)
         for phase, sec in step.items():
             if times is not None:
                 times.setdefault(phase, []).append(sec)
@@ -160,7 +159,7 @@ def measure(args):
         stream = data.batches(data.resolve_shards(args.data, args.image_size), args.batch_size, args.image_size,
                               args.seed, run.rank, run.world, args.workers, run.position)
         get_batch = lambda: next(stream)
-    res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json", "markdown")},
+    res = dict(mode=args.mode, flags={k: v for k, v in vars(args).items() if k not in ("compare", "json")},
                device=torch.cuda.get_device_name() if run.dev == "cuda" else "cpu", threads=torch.get_num_threads(),
                world=run.world)
     res["params"], res["active_params"] = count_params(run.model)
@@ -180,15 +179,15 @@ def measure(args):
                img_per_s=args.batch_size * args.grad_accum * run.world / statistics.median(step))
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
-    res["flops_per_step"] = flops_per_step(run, args, batch)
     res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
     res["param_mb"] = sum(p.numel() * p.element_size() for p in run.model.parameters()) / 2 ** 20  # (--ep: its share)
-    if run.world > 1 and not run.engine.zero:  # DDP communication = what the all-reduce adds: the same steps without
+    if run.world > 1 and not run.engine.partitioned:  # DDP communication = what the all-reduce adds: the steps without
         unsynced = {}
         with run.engine.forward.no_sync():  # (replicas drift apart from here on; nothing is saved)
             run_steps(run, args, args.iters, get_batch, unsynced)
         res["communication_ms"] = res["step_ms"] - 1e3 * statistics.median(sum(ts) for ts in zip(*unsynced.values()))
         res["communication_share"] = res["communication_ms"] / res["step_ms"]
+    res["flops_per_step"] = flops_per_step(run, args, batch)  # (a real step, after the timed ones)
     res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
     res["mfu"] = res["achieved_tflops"] / peak if peak else None  # unknown peak (CPUs): none claimed
@@ -229,7 +228,7 @@ def compare(args, argv):
     """Each value of FLAG in fresh processes, alternating -> (medians per value, the printed table)."""
     flag, values = args.compare.split("=", 1)
     values, repeats, me = values.split(","), args.repeats or 3, os.path.abspath(__file__)
-    base = strip(argv, {"--compare", "--repeats", "--json"}, {"--markdown", "--trace"})
+    base = strip(argv, {"--compare", "--repeats", "--json"}, {"--trace"})
     runs = {v: [] for v in values}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
@@ -328,11 +327,7 @@ def ratio_table(args, flag, values, runs):
             f"{row['param_mb']:.2f}", f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
             ([f"{100 * row['mfu']:.1f}%"] if has_mfu else []) + ([f"{row['loader_img_per_s']:.0f}"] if loader else []) +
             [f"{row['step_ms'] / ref['step_ms']:.2f}×", f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
-    if args.markdown:
-        text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(l) + " |" for l in lines]
-    else:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-        text = ["  ".join(str(x).rjust(w) for x, w in zip(l, widths)) for l in [head] + lines]
+    text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(l) + " |" for l in lines]
     for v in values[1:] if flag == "nproc" else []:  # scaling efficiency: N ranks' images/s over N times one rank's
         comm = statistics.median(r["communication_share"] for r in runs[v])
         eff = rows[v]["img_per_s"] / (int(v) * ref["img_per_s"]) * int(values[0])
@@ -389,7 +384,7 @@ def suite(args):
     if set(chosen) - set(CLAIMS):
         sys.exit(f"--claims {args.claims}: choose from {','.join(CLAIMS)}")
     common = ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters), "--repeats", str(repeats),
-              "--out", args.out, "--markdown"] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
+              "--out", args.out] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
     md = [f"## profile.py suite: {name}", "",
           f"torch {torch.__version__}, CUDA {torch.version.cuda if gpu else 'none'}, "
           f"{'MFU against ' + str(peak) + ' TFLOP/s (dense bf16 peak)' if peak else 'peak FLOP/s unknown: no MFU'}; "
@@ -400,7 +395,7 @@ def suite(args):
         if key not in chosen:
             continue
         cmd = ["compute"] * (argv[0] != "dataloader") + argv + common
-        head = [f"### {title}", "", "`python profile.py " + " ".join(a for a in cmd if a != "--markdown") + "`", ""]
+        head = [f"### {title}", "", "`python profile.py " + " ".join(cmd) + "`", ""]
         print("\n".join(head), flush=True)
         try:
             table = compare(get_args(cmd), cmd)[1]
@@ -423,7 +418,7 @@ def recipe(args, argv):
     if not os.path.exists(os.path.join(args.emoji, "names.json")):  # (data.py says so if the font is missing)
         subprocess.run([sys.executable, os.path.join(here, "data.py"), "emoji", args.emoji], check=True)
     flag, values = args.compare.split("=", 1) if args.compare else ("", "defaults")
-    base = strip(argv, {"--compare", "--emoji", "--out", "--json", "--data"}, {"recipe", "--markdown"})
+    base = strip(argv, {"--compare", "--emoji", "--out", "--json", "--data"}, {"recipe"})
     md = ["| flags | shapes: all three | minutes | emoji: top-1 | top-5 | sharpness ÷ real | minutes |",
           "|---" * 7 + "|"]
     for v in values.split(","):

@@ -2,8 +2,8 @@
 
 In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule, and the engine) -> one training step
 -> the loop, whose outline is main(); after one banner, what a first read may skip: logging, checkpoints, evaluation,
-signals, exits. The engine (one process, DDP, DeepSpeed ZeRO-2) is chosen once in setup(); the step and the loop
-only call its micro_batch / backward / step. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off
+signals, exits. The engine (one process, DDP, DeepSpeed ZeRO-2) is chosen once in setup(); the step calls only its
+forward, micro_batch, backward and step. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off
 RANK; profile.py and the tests reuse its parser and step. Resume is exact: a checkpoint holds every state, RNGs and
 each rank's data.Position included.
 """
@@ -127,10 +127,16 @@ def get_args(argv=None, parser=None):
 class Engine:
     """One process, or DDP (`--dist ddp`: each rank's gradients averaged in the backward). `forward` is what the step
     calls: the model, compiled (`--compile`) and/or DDP-wrapped; EMA, samples and checkpoints use the plain model."""
-    zero = False  # True: the optimizer state is partitioned over the ranks (checkpointed as a folder per rank)
+    partitioned = False  # True: the optimizer state is split over the ranks (checkpointed as a folder per rank)
 
-    def __init__(self, model, opt, forward, world, micro_batches):
-        self.model, self.opt, self.forward, self.world, self.micro_batches = model, opt, forward, world, micro_batches
+    def __init__(self, args, model, opt, dev, world, local_rank):
+        self.model, self.opt, self.world, self.grad_accum = model, opt, world, args.grad_accum
+        self.forward = torch.compile(model) if args.compile else model
+        if world > 1:  # compile first, then wrap; DDP finds idle experts' unused parameters (--ep: it holds none)
+            self.forward._ddp_params_and_buffers_to_ignore = moe.ep_sharded_names(self.forward)  # (see moe.py)
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.forward, device_ids=[local_rank] if dev == "cuda" else None,
+                find_unused_parameters=args.moe > 0 and args.ep == 1)
 
     def micro_batch(self, last):
         """Context for one micro-batch's forward and backward: DDP all-reduces only in the last one's backward."""
@@ -138,12 +144,12 @@ class Engine:
         return self.forward.no_sync() if ddp and not last else contextlib.nullcontext()
 
     def backward(self, loss):
-        """Add the gradients of this micro-batch's share of the step's loss."""
-        (loss / self.micro_batches).backward()
+        """Add the gradients of this micro-batch's share (1 / --grad-accum) of the step's loss."""
+        (loss / self.grad_accum).backward()
 
     def step(self, loss):
-        """Clip at 1.0 and update, on the device: a non-finite loss or gradient norm skips the whole update (fused
-        AdamW's found_inf), the same way on every rank (the gradients, hence their norm, are the same on all).
+        """Clip at 1.0 and update, on the device, then clear the gradients: a non-finite loss or gradient norm skips
+        the whole update (fused AdamW's found_inf), alike on every rank (the gradients, so their norm, are the same).
         -> (gradient norm, bad step)."""
         moe.reduce_expert_grads(self.model, self.world)  # --ep: the experts' gradients, as DDP's mean would give them
         grad_norm = moe.clip_grad_norm_(self.model, 1.0)  # (NaN/inf pass through; --ep: the whole model's)
@@ -157,9 +163,9 @@ class Engine:
 class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO-2 (`--dist deepspeed`): optimizer states and gradients partitioned over ranks, weights replicated.
     Our AdamW is passed in (nothing is JIT-built); it clips at 1.0 as the others do; its config is this dict."""
-    zero = True
+    partitioned = True
 
-    def __init__(self, model, opt, args):
+    def __init__(self, args, model, opt, dev, world, local_rank):
         import deepspeed
         config = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
                   "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
@@ -167,25 +173,15 @@ class DeepSpeedEngine(Engine):
         self.model, self.opt = model, opt
         self.forward = self.ds = deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
 
-    def backward(self, loss):  # (it divides by the micro-batches itself, and counts them in step():)
-        self.ds.backward(loss)
-        self.ds.step()  # after the last micro-batch: reduce-scatter, clip, update its partition (skips inf/NaN)
+    def backward(self, loss):
+        self.ds.backward(loss)  # (it divides by --grad-accum itself)
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()  # (it counts the micro-batches in its step(): one call each)
 
     def step(self, loss):
-        grad_norm = torch.tensor(float(self.ds.get_global_grad_norm() or 0.0), device=loss.device)
+        self.ds.step()  # the last micro-batch's: reduce-scatter, clip, update its partition (skips inf/NaN)
+        grad_norm = torch.tensor(float(self.ds.get_global_grad_norm() or 0.0), device=loss.device)  # (a host read)
         return grad_norm, ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-
-
-def make_engine(args, model, opt, dev, world, local_rank):
-    """--dist none | ddp | deepspeed -> the Engine."""
-    if args.dist == "deepspeed":
-        return DeepSpeedEngine(model, opt, args)
-    forward = torch.compile(model) if args.compile else model
-    if world > 1:  # compile first, then wrap; DDP finds idle experts' unused parameters (--ep: it holds none)
-        forward._ddp_params_and_buffers_to_ignore = moe.expert_param_names(forward)  # see moe.reduce_expert_grads
-        forward = torch.nn.parallel.DistributedDataParallel(forward, device_ids=[local_rank] if dev == "cuda" else None,
-                                                            find_unused_parameters=args.moe > 0 and args.ep == 1)
-    return Engine(model, opt, forward, world, args.grad_accum)
 
 
 # ---- Set-up: the run's state, built once, advanced by every step, saved by every checkpoint -------------------------
@@ -208,7 +204,7 @@ class Run:
     position: data.Position = dataclasses.field(default_factory=data.Position)  # this rank's place in its data
     bad_steps: dict = None         # non-finite loss or gradient norm, skipped: {total, in_a_row, longest} on the device
     ckpt_step: int = None          # step of the last checkpoint this process wrote (None: none yet)
-    zero_tag: str = None           # DeepSpeed: that checkpoint's partition folder
+    deepspeed_tag: str = None      # DeepSpeed: that checkpoint's partition folder
     shards: list = None            # the training data
     buckets: dict = None           # its aspect-ratio buckets {(W, H): samples}; None: square pictures
     judged: bool = False           # built-in shapes: eval.judge grades samples
@@ -261,11 +257,10 @@ def setup(args, shape=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     # noise, t, caption drop: every rank draws the global batch's and keeps its slice (a run is split-independent)
     gen = torch.Generator(dev).manual_seed(args.seed)
-    engine = make_engine(args, model, opt, dev, world, local_rank)
-    zero = lambda: torch.zeros((), device=dev)
+    engine = (DeepSpeedEngine if args.dist == "deepspeed" else Engine)(args, model, opt, dev, world, local_rank)
     return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, opt=opt, sched=sched,
                engine=engine, gen=gen, encoder=encoder, vae=vae,
-               bad_steps=dict(total=zero(), in_a_row=zero(), longest=zero()))
+               bad_steps={k: torch.zeros((), device=dev) for k in ("total", "in_a_row", "longest")})
 
 
 def start(args):
@@ -307,10 +302,10 @@ def start(args):
 def train_step(run, args, micro_batches, mark=None):
     """One optimizer step over this rank's micro-batches [(x0, text, mask)]: times, noise and caption drops drawn for
     the global batch (every rank draws all and keeps its slice, so a run does not depend on how the batch is split)
-    -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync. A
-    non-finite loss or gradient norm changes no weight, moment or EMA, but takes its step number (run.bad_steps)."""
+    -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (but
+    DeepSpeed's norm). A non-finite loss or gradient norm changes no weight, moment or EMA; it takes its step number."""
     mark = mark or (lambda phase: None)  # (profile.py times the phases)
-    dev, last = run.dev, len(micro_batches) - 1
+    dev, last_i = run.dev, len(micro_batches) - 1
     per_rank = micro_batches[0][0].shape[0]              # images in one micro-batch of one rank
     per_micro = per_rank * run.world                      # ... of all ranks
     global_batch = per_micro * len(micro_batches)
@@ -322,7 +317,7 @@ def train_step(run, args, micro_batches, mark=None):
         text, mask = flow.drop_captions(text, mask, keep[mine])
         eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)  # (this bucket's shape)
         eps = eps[run.rank * per_rank:(run.rank + 1) * per_rank]
-        with run.engine.micro_batch(last=i == last):
+        with run.engine.micro_batch(last=i == last_i):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.engine.forward, x0, text, mask, t_all[mine], eps, args.contrast)
                 balance_i = moe.balance_loss(run.model, run.world > 1).to(loss_i.device)  # (0 for a dense model)
@@ -333,7 +328,7 @@ def train_step(run, args, micro_batches, mark=None):
         balance = balance + balance_i.detach() / len(micro_batches)
         t.append(t_all[mine])
         per_sample.append(per_i.detach())
-    grad_norm, bad_step = run.engine.step(loss + balance)  # clip, update (not on a bad step)
+    grad_norm, bad_step = run.engine.step(loss + balance)  # clip, update (not on a bad step), clear the gradients
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)  # --balance bias: by the loads of the global batch
     run.sched.step()
     run.step += 1
@@ -437,7 +432,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
     if run.world > 1:
         dist.all_reduce(flags)  # sum: the global mean losses, any rank's signal
     loss_sum, balance_sum, stop = flags.float().tolist()
-    total, in_a_row, longest = (int(v) for v in torch.stack(list(run.bad_steps.values())).tolist())  # (all ranks')
+    total, in_a_row, longest = (int(run.bad_steps[k]) for k in ("total", "in_a_row", "longest"))  # (alike on all ranks)
     if run.rank == 0:  # (only rank 0 logs: the other ranks read nothing more)
         rec = dict(step=run.step, loss=loss_sum / run.world, loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
                    lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(), img_per_s=img_per_s,
@@ -458,7 +453,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
 def save_checkpoint(run, args):
     """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts), the
     one before kept as ckpt.prev.pt. -> False if an OSError (disk full) stopped it: warned, nothing half-written."""
-    tag = f"step{run.step:06d}" if run.engine.zero else None  # DeepSpeed: each rank's optimizer partition
+    tag = f"step{run.step:06d}" if run.engine.partitioned else None  # DeepSpeed: each rank's optimizer partition
     if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
         run.engine.ds.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
     positions = [dataclasses.asdict(run.position)] * run.world
@@ -483,11 +478,11 @@ def save_checkpoint(run, args):
         print(f"warning: checkpoint of step {run.step} not written ({e}); training goes on and the next save "
               f"retries; the last one written is step {run.ckpt_step}", file=sys.stderr)
         return False
-    if tag:  # older partition folders go only now that ckpt.pt names the new one (ckpt.prev.pt: run.zero_tag)
+    if tag:  # older partition folders go only now that ckpt.pt names the new one (ckpt.prev.pt: run.deepspeed_tag)
         folder = os.path.join(args.out, "deepspeed")
-        for old in {d for d in os.listdir(folder) if d.startswith("step")} - {tag, run.zero_tag}:
+        for old in {d for d in os.listdir(folder) if d.startswith("step")} - {tag, run.deepspeed_tag}:
             shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
-    run.ckpt_step, run.zero_tag = run.step, tag
+    run.ckpt_step, run.deepspeed_tag = run.step, tag
     return True
 
 
@@ -527,7 +522,7 @@ def load_checkpoint(run, args):
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {run.config}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
     tag, saved = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
-    if len(ckpt["data"]) != run.world or (tag is not None) != run.engine.zero:  # (ZeRO's partitions need both)
+    if len(ckpt["data"]) != run.world or (tag is not None) != run.engine.partitioned:  # (ZeRO's partitions need both)
         raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
                          f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
     for k in ("model", "ema"):
@@ -541,7 +536,7 @@ def load_checkpoint(run, args):
     random.setstate(ckpt["rng"]["python"])
     run.gen.set_state(ckpt["rng"]["gen"])
     run.position, run.step, run.ckpt_step = data.Position(**ckpt["data"][run.rank]), ckpt["step"], ckpt["step"]
-    run.zero_tag, run.bad_steps = tag, {k: v.to(run.dev) for k, v in ckpt["bad_steps"].items()}
+    run.deepspeed_tag, run.bad_steps = tag, {k: v.to(run.dev) for k, v in ckpt["bad_steps"].items()}
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
         run.sched.base_lrs = [args.lr] * len(run.sched.base_lrs)
         for g in run.opt.param_groups:
@@ -627,7 +622,7 @@ def end(run, code, error=None):
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:
-        own_experts = moe.expert_param_names(run.model)  # (--ep: each rank's own experts differ)
+        own_experts = moe.ep_sharded_names(run.model)  # (--ep: each rank's own experts differ)
         flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters() if k not in own_experts])
         dist.broadcast(ref := flat.clone(), 0)  # (ref: rank 0's)
         per_rank = [None] * run.world  # (the same weights as rank 0?, optimizer state bytes: ZeRO-2 partitions them)
