@@ -479,7 +479,7 @@ def list_images(src):
 def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
     """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`; `multiple`: to the nearest bucket of
     buckets(size, multiple) instead), manifest.json (sha256, counts, per-bucket counts, skips) and SHA256SUMS; smaller
-    images are skipped, never upsampled (the seed's LAION rule), and corrupt ones."""
+    images are skipped, never upsampled (as re-diffusion filters LAION), and corrupt ones."""
     from tqdm import tqdm
     items, skipped, shards, sink, n, counts = list_images(src), [], [], None, 0, collections.Counter()
     os.makedirs(out, exist_ok=True)

@@ -1,4 +1,4 @@
-"""eval.py -- how good are the samples? Scores that need no download, and the standard ones.
+"""eval.py -- how good are the samples? Scores that need no download, and the standard ones (FID, IS, CLIPScore).
 
     judge(image) -> {color, shape, position}          the built-in shapes: read off the picture by rule
     judge_accuracy(images, attributes)                how often each attribute, and all three, are right

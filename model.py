@@ -263,7 +263,7 @@ def loading(flag, name, errors=(OSError, ValueError)):
         yield
     except errors as e:
         raise SystemExit(f"{flag} {name!r} could not be loaded ({type(e).__name__}: {str(e)[:300]}).\nWithout network, "
-                         f"pre-cache it where the network works: `huggingface-cli download {name}` (into $HF_HOME, "
+                         f"pre-cache it where the network works: `hf download {name}` (into $HF_HOME, "
                          f"default ~/.cache/huggingface; copy that folder over), or pass a local folder written by "
                          f"save_pretrained.") from e
 
@@ -394,12 +394,14 @@ def preset(name):
 if __name__ == "__main__":
     # `python model.py`: parameter counts at 256 px through the SD VAE (latents 4 x 32 x 32) with CLIP-L text (768),
     # counted on the meta device so nothing is allocated.
-    print("| DiT-MoE name | train.py flags | total params | active params |\n|---|---|---|---|")
+    print("| `--model` | width, depth, heads | dense | DiT-MoE -8E2A (`--moe 8 --topk 2`): total, active | -16E2A |")
+    print("|---|---|---|---|---|")
     for size in SIZES:
+        counts = []
         for experts in (0, 8, 16):
             with torch.device("meta"):
-                m = DiT(in_channels=4, image_size=32, text_dim=768, moe=experts, **preset(f"{size}/2"))
-            total, active = count_params(m)
-            flags = f"--model {size}/2" + (f" --moe {experts} --topk 2" if experts else "")
-            name = f"{size}/2" + (f"-{experts}E2A" if experts else " (dense)")
-            print(f"| {name} | `{flags}` | {total / 1e6:.1f}M | {active / 1e6:.1f}M |")
+                counts.append(count_params(DiT(in_channels=4, image_size=32, text_dim=768, moe=experts,
+                                               **preset(f"{size}/2"))))
+        (dense, _), *moe_counts = counts
+        print(f"| {size}/2 | {', '.join(str(v) for v in SIZES[size].values())} | {dense / 1e6:.1f}M | "
+              + " | ".join(f"{total / 1e6:.1f}M, {active / 1e6:.1f}M" for total, active in moe_counts) + " |")

@@ -10,7 +10,7 @@ al. 2017; Switch, Fedus et al. 2021; DiT-MoE, Fei et al. 2024):
     balance     L = alpha E sum_i f_i P_i                          f_i: share of the T*k assignments to expert i,
                                                                    P_i: mean router probability of i
 
-L = alpha at uniform routing. It is not the minimum (f = (0.9, 0.1), P = (0.46, 0.54) gives 0.93 alpha), but its
+L = alpha at uniform routing. It is not the minimum (f = (0.9, 0.1), P = (0.46, 0.54) gives 0.94 alpha), but its
 gradient, through P only (f is a count), lowers each expert's probability in proportion to its load: toward balance.
 alpha = 0.01 and 2 shared experts are DiT-MoE's values; by default an expert is dense_hidden / (k + shared) wide,
 so a token uses as many MLP parameters as the dense model. `--balance bias` is DeepSeek-V3's loss-free balancing

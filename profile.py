@@ -6,7 +6,7 @@
     python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
     python profile.py --compare ep=1,2 --moe 8       # 2 ranks each: experts split, the all-to-all as its own phase
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
-    python profile.py suite                          # every claim of the README on this device, one table each
+    python profile.py suite                          # the one-flag comparisons, sized for this device, a table each
     python profile.py recipe --compare lr=1e-3,2e-3  # train the shapes and the emoji, each value: scores side by side
 
 Every other flag is train.py's (the very same parser and `train_step`), so a comparison is "the default run with
@@ -59,7 +59,7 @@ def get_args(argv=None):
     a = p.add_argument
     a("mode", nargs="?", default="compute", choices=["compute", "full", "dataloader", "suite", "recipe"],
       help="compute: the model step on a fixed batch; full: the real loop (data wait, frozen encoders, step); "
-      "dataloader: the input pipeline alone vs the model; suite: every one-flag comparison of the README, sized for "
+      "dataloader: the input pipeline alone vs the model; suite: the one-flag comparisons (see CLAIMS), sized for "
       "the device found; recipe: whole training runs on the built-in shapes and the emoji, their scores and times")
     a("--emoji", default="data/emoji", help="recipe: the emoji set (`python data.py emoji DIR` writes it if missing)")
     a("--claims", default="all", help="suite: comma-separated subset of " + ",".join(CLAIMS))
@@ -348,7 +348,7 @@ def claims(gpu):
         base = "--width 384 --depth 6 --heads 6 --patch 2 --image-size 32 --batch-size 64".split()
         attn = [("~1k", "--image-size 64 --batch-size 32"), ("~4k", "--image-size 128 --batch-size 8")]
         full = "--width 768 --depth 12 --heads 12 --patch 2 --batch-size 32 --synthetic 4,64,77,768"
-        full_title = "The seed's full-size model (width 768, depth 12, 12 heads, patch 2) on 4x64x64 latents, CLIP-L"
+        full_title = "The full-size B/2 model (width 768, depth 12, 12 heads, patch 2) on 4x64x64 latents, CLIP-L"
         precision, loader = "bf16", 8  # (loader worker processes)
     else:
         base = "--width 128 --depth 2 --heads 4 --patch 4 --image-size 32 --batch-size 32".split()
@@ -436,8 +436,7 @@ def recipe(args, argv):
             row += ([f"{final['all']:.1%}"] if name == "shapes" else
                     [f"{final['top1']:.1%}", f"{final['top5']:.1%}", f"{final['sharpness']:.2f}"]) + [f"{minutes:.1f}"]
         md.append(f"| {' '.join(base + extra) or 'defaults'} | " + " | ".join(row) + " |")
-    md.append(f"(targets: shapes at least 95% in 10 minutes; emoji top-1 at least 90%, sharpness at most 1.15; "
-              f"{'CUDA' if device() == 'cuda' else f'CPU, {torch.get_num_threads()} threads'})")
+    md.append(f"({'CUDA' if device() == 'cuda' else f'CPU, {torch.get_num_threads()} threads'})")
     print("\n".join(md), flush=True)
     with open(os.path.join(args.out, "recipe", "recipe.md"), "w") as f:
         f.write("\n".join(md) + "\n")

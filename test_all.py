@@ -1756,7 +1756,7 @@ def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it_and_a_missi
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     for flag, load in (("--vae", load_vae), ("--text-encoder", TextEncoder), ("--clip-model", eval.load_clip)):
-        with pytest.raises(SystemExit, match="huggingface-cli download .*HF_HOME.*save_pretrained"):
+        with pytest.raises(SystemExit, match="hf download .*HF_HOME.*save_pretrained"):
             load("no such model")  # not a folder, not a valid hub id: the hub is never asked
         for path in ("/no/such/model", "./model", "data/model"):  # a mistyped folder, not a hub repo "data/model"
             with pytest.raises(SystemExit, match=f"{flag} '{path}': no such folder"):
