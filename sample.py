@@ -26,7 +26,8 @@ from PIL import Image
 import data
 import eval
 import flow
-from data import as_uint8, atomic_write, to_pil
+from data import as_uint8, to_pil
+from files import atomic_write
 from model import DiT, TextEncoder, device, load_vae
 from moe import MoE, default_impl
 

@@ -28,7 +28,7 @@ import eval
 import flow
 import moe
 import sample
-from data import append_json, atomic_write, read_json, write_json
+from files import append_json, atomic_write, read_json, write_json
 from model import MODELS, DiT, TextEncoder, count_params, device, load_vae, preset
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
@@ -530,7 +530,7 @@ def load_checkpoint(run, args):
     run.sched.load_state_dict(ckpt["sched"])
     if tag is None:
         run.opt.load_state_dict(moe.reshard(run.model, ckpt["opt"], whole=False))
-    if tag is not None:  # weights, fp32 partition, AdamW moments (the lr is the schedule's)
+    else:  # DeepSpeed: weights, fp32 partition, AdamW moments (the lr is the schedule's)
         run.engine.ds.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
