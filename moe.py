@@ -113,7 +113,16 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D): every image token of every sample
         _, w, idx = self.route(x)
-        y = getattr(self, f"dispatch_{'ep' if self.ep_group else self.impl}")(x, w, idx)  # loop|sorted|grouped|ep
+        if self.impl == "loop" and not self.ep_group:
+            y = self.dispatch_loop(x, w, idx)
+        else:  # sorted, grouped, --ep: the T*k assignments sorted by expert (so by owning rank), one gather, one scatter
+            order = idx.flatten().argsort(stable=True)
+            token = order // self.k                          # the token each sorted row came from
+            # index_select, not x[token]: its backward (index_add) sums repeated rows in a fixed order on a CPU; the
+            # backward of x[...] adds them with parallel atomics there, which made runs differ
+            experts = self.experts_ep if self.ep_group else self.experts  # (--ep: through the ranks holding them)
+            out = experts(x.index_select(0, token), idx.flatten()[order], expert_counts(idx, self.E))
+            y = torch.zeros_like(x).index_add_(0, token, out * w.flatten()[order, None])  # gated, summing the k
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(shape)
@@ -133,35 +142,19 @@ class MoE(nn.Module):
             y[rows] = y[rows] + gate * expert(x[rows], *self.weights(e))
         return y
 
-    @torch._disable_dynamo
-    def dispatch_sorted(self, x, w, idx):
-        """Fast: sort the T*k assignments by expert, one contiguous slice per expert, one scatter."""
-        flat = idx.flatten()                               # (T*k,) expert of each assignment
-        order = flat.argsort(stable=True)                  # assignments grouped by expert
-        token = order // self.k                            # which token each sorted row came from
-        xs = x.index_select(0, token)                      # (T*k, D) one gather (see dispatch_grouped)
-        out = self.experts_sorted(xs, torch.bincount(flat, minlength=self.E).tolist())
-        out = out * w.flatten()[order, None]               # gate weights, in the same order
-        return torch.zeros_like(x).index_add_(0, token, out)  # back to token order, summing the k
+    def experts(self, xs, e, counts):
+        """Rows sorted by expert xs (n, D), their experts e (n,), rows per expert counts (E,) -> each row through its
+        expert (n, D): as grouped GEMMs, or one slice per expert (CUDA's grouped GEMM is bf16-only: fp32 slices)."""
+        if self.impl == "grouped" and self.grouped_ok(xs):
+            return self.experts_grouped(xs, e, counts)
+        return self.experts_sorted(xs, counts)
 
+    @torch._disable_dynamo  # the slices' sizes are read on the host
     def experts_sorted(self, xs, counts):
-        """Rows sorted by expert (n, D), rows per expert (a list) -> each row through its expert (n, D)."""
+        """Rows sorted by expert (n, D), rows per expert (E,) -> each row through its expert: one slice each."""
+        counts = counts.tolist()
         out = [expert(chunk, *self.weights(e)) for e, chunk in enumerate(xs.split(counts)) if counts[e]]
-        return torch.cat(out) if out else xs * 0  # (no row: still part of the graph, see dispatch_ep)
-
-    def dispatch_grouped(self, x, w, idx):
-        """GPU: the sorted rows in a fixed-size buffer, each expert's group padded to ALIGN rows, then
-        W13 and W2 of all experts as one grouped GEMM each. No host sync, no data-dependent shape."""
-        if not self.grouped_ok(x):  # CUDA's grouped GEMM is bf16-only: fp32 (e.g. sampling) goes sorted
-            return self.dispatch_sorted(x, w, idx)
-        flat = idx.flatten()                                # (T*k,)
-        order = flat.argsort(stable=True)
-        token = order // self.k                             # sorted rows: their token
-        # index_select, not x[token]: its backward (index_add) sums repeated rows in a fixed order on a
-        # CPU; the backward of x[...] adds them with parallel atomics there, which made runs differ
-        out = self.experts_grouped(x.index_select(0, token), flat[order], expert_counts(idx, self.E))
-        out = out * w.flatten()[order, None]                # gate weights
-        return torch.zeros_like(x).index_add_(0, token, out)
+        return torch.cat(out) if out else xs * 0  # (no row: still part of the graph, see experts_ep)
 
     def grouped_ok(self, x):
         """The grouped GEMM runs in any dtype on a CPU, in bf16 only on CUDA."""
@@ -170,7 +163,8 @@ class MoE(nn.Module):
 
     def experts_grouped(self, xs, e, counts):
         """Rows sorted by expert xs (n, D), their experts e (n,), rows per expert counts (E,) on the device -> each row
-        through its expert (n, D), as two grouped GEMMs over a buffer of fixed size."""
+        through its expert (n, D), as two grouped GEMMs over a buffer of fixed size: no host sync, no data-dependent
+        shape."""
         E, n = len(counts), len(e)                          # (E: the experts this rank holds)
         dt = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
         padded = (counts + ALIGN - 1) // ALIGN * ALIGN      # group sizes rounded up
@@ -187,30 +181,20 @@ class MoE(nn.Module):
         return out[dest].to(xs.dtype)                       # back to the sorted rows
 
     @torch._disable_dynamo  # the exchange's split sizes are read on the host
-    def dispatch_ep(self, x, w, idx):
-        """--ep: each assignment's row travels to the rank that holds its expert and back (see the docstring)."""
+    def experts_ep(self, xs, e, counts):
+        """--ep: each sorted row travels to the rank that holds its expert, through it, and back (see the docstring)."""
         ranks, group = self.ep_size, self.ep_group
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)                   # by expert, so by owning rank: one slice per rank
-        token = order // self.k
-        counts = expert_counts(idx, self.E)                 # (E,) rows this rank sends to each expert
         received = torch.empty_like(counts)                 # (ranks * E/ranks,) rows from each rank to each of mine
         exchange(received, counts, group=group)
-        # the exchange's one host read per layer and forward: the split sizes, and the sorted dispatch's counts
-        sizes = torch.cat([counts.view(ranks, -1).sum(1), received.view(ranks, -1).sum(1),
-                           received.view(ranks, -1).sum(0)]).tolist()
-        send, recv, mine = sizes[:ranks], sizes[ranks:2 * ranks], sizes[2 * ranks:]
-        xs = AllToAll.apply(x.index_select(0, token), send, recv, group)  # (sum(recv), D) the rows for my experts
-        local = torch.arange(len(mine), device=x.device).repeat(ranks)  # (ranks * E/N,) my experts, once per rank
+        sizes = torch.cat([counts.view(ranks, -1).sum(1), received.view(ranks, -1).sum(1)]).tolist()  # (host read)
+        send, recv = sizes[:ranks], sizes[ranks:]           # rows to and from each rank of the group
+        xs = AllToAll.apply(xs, send, recv, group)          # (sum(recv), D) the rows for my experts
+        local = torch.arange(self.E // ranks, device=xs.device).repeat(ranks)  # (E,) my experts, once per rank
         local = local.repeat_interleave(received, output_size=sum(recv))  # each received row's expert here
         by = local.argsort(stable=True)                     # rows by rank -> by expert
-        if self.impl == "grouped" and self.grouped_ok(x):
-            ys = self.experts_grouped(xs.index_select(0, by), local[by], received.view(ranks, -1).sum(0))
-        else:
-            ys = self.experts_sorted(xs.index_select(0, by), mine)
+        ys = self.experts(xs.index_select(0, by), local[by], received.view(ranks, -1).sum(0))
         # back in the order received, then home; a rank with no rows still joins both exchanges of the backward
-        out = AllToAll.apply(ys.index_select(0, by.argsort()), recv, send, group)  # (T*k, D) as sorted here
-        return torch.zeros_like(x).index_add_(0, token, out * w.flatten()[order, None])
+        return AllToAll.apply(ys.index_select(0, by.argsort()), recv, send, group)  # (T*k, D) as sorted here
 
 
 def exchange(out, x, out_splits=None, in_splits=None, group=None):
