@@ -45,6 +45,7 @@ else:  # run as a script, or imported under another name
     import data
     import moe
     import train
+    from files import atomic_write, read_json, write_json
     from model import count_params, device
     from moe import MoE
 
@@ -200,11 +201,9 @@ def measure(args):
         if run.rank == 0:
             prof.export_chrome_trace(res["trace"])
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    if run.rank:  # rank 0 reports
-        train.leave_distributed()
-    with open(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print_result(res, times)
+    if run.rank == 0:  # rank 0 reports
+        write_json(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), res)
+        print_result(res, times)
     if run.world > 1:
         train.leave_distributed()
     return res
@@ -213,15 +212,8 @@ def measure(args):
 # ---- --compare FLAG=A,B: each setting in fresh processes, alternating, repeated ----------------------------------
 def strip(argv, with_value, switches=()):
     """argv without the given options (and the values of those in `with_value`)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in with_value:
-            skip = True
-        elif a.split("=")[0] not in with_value and a not in switches:
-            out.append(a)
-    return out
+    values = {i + 1 for i, a in enumerate(argv) if a in with_value}
+    return [a for i, a in enumerate(argv) if i not in values and a.split("=")[0] not in with_value and a not in switches]
 
 
 def compare(args, argv):
@@ -237,28 +229,25 @@ def compare(args, argv):
                 extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
                 if flag == "grad-accum":  # the same global batch: accum x micro-batch = --batch-size
                     extra += ["--batch-size", str(args.batch_size // int(v))]
-                cmd, env = [sys.executable, me, *base, *extra, "--json", out], dict(os.environ)
+                ranks, env = "1", dict(os.environ)
                 if flag in ("nproc", "dist", "ep"):  # N processes x 1 thread each under torchrun (dist, ep: 2 ranks)
-                    n, mode = (v, "ddp") if flag == "nproc" else ("1" if v == "none" else "2", v)
-                    n, mode, extra = ("2", "ddp", extra) if flag == "ep" else (n, mode, [])
+                    ranks = v if flag == "nproc" else "1" if v == "none" else "2"
+                    extra = (["--dist", v if flag == "dist" else "ddp"] + extra * (flag == "ep")) * (ranks != "1")
                     env["OMP_NUM_THREADS"] = "1"
-                    cmd = [sys.executable, me, *base, "--json", out] if n == "1" else [
-                        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n,
-                        me, *base, *extra, "--dist", mode, "--json", out]  # (--standalone: a free port)
+                torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", ranks]  # (a free port)
+                cmd = [sys.executable, *torchrun * (ranks != "1"), me, *base, *extra, "--json", out]
                 print(f"[{r + 1}/{repeats}] --{flag} {v}", file=sys.stderr, flush=True)
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-                with open(out) as f:
-                    runs[v].append(json.load(f))
+                runs[v].append(read_json(out))
     rows, text = ratio_table(args, flag, values, runs)
     text.append(f"(median of {repeats} fresh processes each, {args.iters} timed steps per process, device "
                 f"{runs[values[0]][0]['device']}, {runs[values[0]][0]['threads']} threads; step = the sum of all "
                 f"phases, range in brackets)")
     print("\n".join(text), flush=True)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
-    with open(os.path.join(args.out, "profile", f"compare_{flag}.json"), "w") as f:
-        json.dump(dict(flag=flag, runs=runs, medians=rows), f, indent=1)
+    write_json(os.path.join(args.out, "profile", f"compare_{flag}.json"), dict(flag=flag, runs=runs, medians=rows))
     return rows, "\n".join(text)
 
 
@@ -405,8 +394,7 @@ def suite(args):
         md += head + [table, ""]
         print(flush=True)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
-    with open(os.path.join(args.out, "profile", "suite.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
+    atomic_write(os.path.join(args.out, "profile", "suite.md"), lambda f: f.write(("\n".join(md) + "\n").encode()))
     return md
 
 
@@ -438,8 +426,7 @@ def recipe(args, argv):
         md.append(f"| {' '.join(base + extra) or 'defaults'} | " + " | ".join(row) + " |")
     md.append(f"({'CUDA' if device() == 'cuda' else f'CPU, {torch.get_num_threads()} threads'})")
     print("\n".join(md), flush=True)
-    with open(os.path.join(args.out, "recipe", "recipe.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
+    atomic_write(os.path.join(args.out, "recipe", "recipe.md"), lambda f: f.write(("\n".join(md) + "\n").encode()))
     return md
 
 
