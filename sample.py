@@ -80,21 +80,19 @@ def load(path, raw=False):
     model.vae = load_vae(ckpt["args"]["vae"], dev)  # (a plain attribute: not a submodule)
     model.t_shift = ckpt["args"]["t_shift"]  # sample on the time grid it was trained for
     model.buckets = ckpt["buckets"]  # [(W, H)] of a run on pictures of several aspect ratios, else None
-    encoder = TextEncoder(ckpt["args"]["text_encoder"], device=dev)
-    return model.eval().requires_grad_(False), encoder, ckpt["args"]
+    return model.eval().requires_grad_(False), TextEncoder(ckpt["args"]["text_encoder"], device=dev), ckpt["args"]
 
 
 @torch.no_grad()
 def sample_images(model, encoder, vae, captions, steps, cfg, seed, shift=1.0, batch=256, size=None):
     """Captions -> samples (N, 3, H, W) in [-1, 1] on the CPU, (W, H) = `size` in pixels (default: the training square),
     in batches whose noise comes from seed + i."""
-    factor, dev, out = vae.factor if vae else 1, next(model.parameters()).device, []  # (pixels per latent)
+    factor, dev = vae.factor if vae else 1, next(model.parameters()).device  # (pixels per latent)
     W, H = size or (model.n_side * model.p * factor,) * 2
-    for i in range(0, len(captions), batch):
-        shape = (model.C, H // factor, W // factor)
-        x = flow.generate(model, encoder, captions[i:i + batch], steps, cfg, seed + i, shape, dev, shift)
-        out.append((x if vae is None else vae.decode(x)).cpu())
-    return torch.cat(out)
+    shape = (model.C, H // factor, W // factor)
+    batches = (flow.generate(model, encoder, captions[i:i + batch], steps, cfg, seed + i, shape, dev, shift)
+               for i in range(0, len(captions), batch))  # (lazy: one batch in memory at a time)
+    return torch.cat([(x if vae is None else vae.decode(x)).cpu() for x in batches])
 
 
 def save_grid(images, path, nrow=8, scale=2):
@@ -105,16 +103,14 @@ def save_grid(images, path, nrow=8, scale=2):
     for i, im in enumerate(images):
         grid.paste(im, ((i % nrow) * w, (i // nrow) * h))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
-    atomic_write(path, lambda f: grid.save(f, "PNG"))
+    atomic_write(path, lambda f: grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST).save(f, "PNG"))
 
 
 # ---- Held-out prompts drawn and scored: --eval, and train.py's grids and final evaluation ------------------------
 def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1.0, fid=False, judge=True,
                   batch=256, size=None):
-    """Every held-out prompt (built-in shapes), or every name of a names set, n_each times, at `size` (sample_images)
-    -> the grid PNG and (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID with `fid`)
-    for names. A list of sizes (buckets): each in turn, grid_WxH.png, the mean scores and each bucket's under "WxH"."""
+    """Every held-out prompt (built-in shapes) or name (a names set), n_each times, at `size` (a list: each bucket in
+    turn) -> grid PNG and (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID: fid)."""
     if isinstance(size, (list, dict)):  # buckets (a dict: its keys), each in turn: "WxH" -> (scores, fake, captions)
         per = {"%dx%d" % b: score_heldout(model, encoder, vae, names, grid.replace(".png", "_%dx%d.png" % b), n_each,
                                           steps, cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
@@ -127,8 +123,7 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
         want = torch.arange(len(names["names"])).repeat_interleave(n_each)
         captions = [names["heldout"].format(name=names["names"][i]) for i in want]
     else:
-        prompts = data.heldout_prompts(n_each)
-        captions = [p for p, _ in prompts]
+        captions, attrs = map(list, zip(*data.heldout_prompts(n_each)))  # (caption, attributes) pairs, unzipped
     fake = as_uint8(sample_images(model, encoder, vae, captions, steps, cfg, seed, shift, batch, size))
     images = None if names else [to_pil(x) for x in fake]  # (the judge reads PIL images)
     try:
@@ -139,10 +134,8 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {grid} not written ({e}); going on", file=sys.stderr)
     if names:
-        scores = eval.retrieval_scores(fake, want, names, fid)
-    else:
-        scores = eval.judge_accuracy(images, [a for _, a in prompts]) if judge else None
-    return scores, fake, captions
+        return eval.retrieval_scores(fake, want, names, fid), fake, captions
+    return eval.judge_accuracy(images, attrs) if judge else None, fake, captions
 
 
 def main(argv=None):
@@ -158,8 +151,7 @@ def main(argv=None):
     if args.size and (args.size[0] % m or args.size[1] % m or max(args.size) > model.n_max * m):
         raise SystemExit(f"--size {args.size[0]}x{args.size[1]}: this model draws sides that are multiples of {m} "
                          f"pixels (its patch, times the VAE's factor), up to {model.n_max * m}; it was trained at "
-                         + ("%dx%d" % ((model.n_side * m,) * 2) if not model.buckets else
-                            " ".join("%dx%d" % tuple(b) for b in model.buckets)))
+                         + " ".join("%dx%d" % tuple(b) for b in model.buckets or [(model.n_side * m,) * 2]))
     samples_of = lambda captions: as_uint8(sample_images(model, encoder, model.vae, captions, args.steps, args.cfg,
                                                          args.seed, model.t_shift, args.batch, args.size))  # uint8
     if not args.eval:
@@ -226,10 +218,11 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
     x0 = x0 if model.vae is None else model.vae.encode(x0).cpu()  # latent models route latent patches
     text, mask = encoder([p for p, _ in prompts])
     dev = next(model.parameters()).device
-    by = {"timestep": torch.zeros(L, t_bins, E), "colour": torch.zeros(L, len(data.COLORS), E),
-          "shape": torch.zeros(L, len(data.SHAPES), E), "position": torch.zeros(L, E, n * n)}
-    col = torch.tensor([list(data.COLORS).index(a["color"]) for _, a in prompts])
-    shp = torch.tensor([data.SHAPES.index(a["shape"]) for _, a in prompts])
+    labels = {"timestep": [f"t~{(b + 0.5) / t_bins:.1f}" for b in range(t_bins)], "colour": list(data.COLORS),
+              "shape": data.SHAPES}
+    by = dict({key: torch.zeros(L, len(ticks), E) for key, ticks in labels.items()}, position=torch.zeros(L, E, n * n))
+    row_of = {key: torch.tensor([labels[key].index(a[attr]) for _, a in prompts])  # each prompt's colour, shape
+              for key, attr in (("colour", "color"), ("shape", "shape"))}
     g = torch.Generator().manual_seed(seed)
     for b in range(t_bins):
         t = torch.full((len(prompts),), (b + 0.5) / t_bins)
@@ -237,11 +230,9 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
         for l, m in enumerate(layers):
             hits = F.one_hot(m.stats["idx"].cpu().view(len(prompts), n * n, -1), E).sum(2).float()  # (P, N, E)
             by["timestep"][l, b] += hits.sum((0, 1))
-            by["colour"][l].index_add_(0, col, hits.sum(1))
-            by["shape"][l].index_add_(0, shp, hits.sum(1))
+            for key, rows in row_of.items():
+                by[key][l].index_add_(0, rows, hits.sum(1))
             by["position"][l] += hits.sum(0).T
-    labels = {"timestep": [f"t~{(b + 0.5) / t_bins:.1f}" for b in range(t_bins)], "colour": list(data.COLORS),
-              "shape": data.SHAPES}
     for key, counts in by.items():
         frac = counts / counts.sum(1 if key == "position" else -1, keepdim=True)  # rows: share of tokens per expert
         if key == "position":  # one small map per (layer, expert): where on the image it is chosen
@@ -267,8 +258,7 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
 
 def plot_run(folder):
     """<folder>/log.jsonl -> <folder>/loss.png: loss (and per t-quarter), learning rate, the grids' scores and, for an
-    MoE, each layer's least and most loaded expert, against the step -> {curve name: (steps, values)}, as drawn.
-    train.py redraws it with every grid; a full disk only warns (it must not end a training run over a picture)."""
+    MoE, each layer's least and most loaded expert, against the step -> {curve name: (steps, values)}, as drawn."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
@@ -294,12 +284,11 @@ def plot_run(folder):
     for i in range(len(moe[-1]["routing"]) if moe else 0):
         for name, pick in (("min", min), ("max", max)):
             curves[f"layer {i} {name} load"] = ([r["step"] for r in moe], [pick(r["routing"][i]["load"]) for r in moe])
-    nan = lambda v: float("nan") if v is None else v  # (a skipped step logs null)
     fig, axes = plt.subplots(1, 4 if moe else 3, figsize=(16 if moe else 12, 3.4))
     for name, (xs, ys) in curves.items():
         panel = 0 if name.startswith("loss") else 1 if name == "lr" else 3 if "load" in name else 2
-        axes[panel].plot(xs, [nan(v) for v in ys], "k-" if name == "loss" else ".-" if panel == 2 else "-", lw=1,
-                         label=name)
+        ys = [float("nan") if v is None else v for v in ys]  # (a skipped step logs null)
+        axes[panel].plot(xs, ys, "k-" if name == "loss" else ".-" if panel == 2 else "-", lw=1, label=name)
     titles = ("flow loss (log scale)", "learning rate", "sample scores", "expert load: min / max per layer")
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10), ax.set_xlabel("step")
@@ -310,7 +299,7 @@ def plot_run(folder):
     fig.tight_layout()
     try:
         atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
-    except OSError as e:
+    except OSError as e:  # train.py redraws it with every grid: a full disk must not end a run over a picture
         print(f"warning: {folder}/loss.png not written ({e}); going on", file=sys.stderr)
     drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in axes for line in ax.lines}
     plt.close(fig)

@@ -547,13 +547,18 @@ def load_checkpoint(run, args):
     return name, changed
 
 
-def sample_grid(run, args, ema):
-    """Rank 0: the whole EMA draws each held-out prompt (or name) -> samples/step_N.png, its scores, loss.png."""
+def sample_grid(run, args, ema, final=False):
+    """Rank 0: the whole EMA draws each held-out prompt (or name): once, with fixed noise (samples/step_N.png), or at
+    the end --eval-n times with --seed noise, FID included (samples/eval.png) -> its scores in log.jsonl, loss.png."""
     if run.rank == 0:
-        path = os.path.join(args.out, "samples", f"step_{run.step:06d}.png")
-        acc = sample.score_heldout(ema, run.encoder, run.vae, run.names, path, 1, args.sample_steps, args.cfg, 1234,
-                                   args.t_shift, judge=run.judged, size=run.buckets)[0]
-        append_json(run.log, dict(step=run.step, sample_acc=acc, minutes=(time.time() - run.t_start) / 60))
+        path = os.path.join(args.out, "samples", "eval.png" if final else f"step_{run.step:06d}.png")
+        scores, fake, _ = sample.score_heldout(ema, run.encoder, run.vae, run.names, path, args.eval_n if final else 1,
+                                               args.sample_steps, args.cfg, args.seed if final else 1234,
+                                               args.t_shift, fid=final, judge=run.judged, size=run.buckets)
+        minutes = (time.time() - run.t_start) / 60
+        append_json(run.log, {"step": run.step, "eval" if final else "sample_acc": scores, "minutes": minutes})
+        if final:
+            eval.print_scores(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
         sample.plot_run(args.out)
 
 
@@ -567,18 +572,10 @@ def final_evaluation(args, run, signals):
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad_steps['total'])}")
-    if not (args.eval_n and (run.judged or run.names)):  # nothing to score with: a last grid (and loss.png)
-        sample_grid(run, args, ema)
-        if args.eval_n:
-            print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
-        return 0
-    grid = os.path.join(args.out, "samples", "eval.png")  # held-out prompts or names, unseen wording, --seed noise
-    scores, fake, _ = sample.score_heldout(ema, run.encoder, run.vae, run.names, grid, args.eval_n,
-                                           args.sample_steps, args.cfg, args.seed, args.t_shift, fid=True,
-                                           size=run.buckets)
-    append_json(run.log, dict(step=run.step, eval=scores, minutes=(time.time() - run.t_start) / 60))
-    eval.print_scores(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
-    sample.plot_run(args.out)  # with the final scores
+    scored = bool(args.eval_n and (run.judged or run.names))  # else nothing to score with: a last grid (and loss.png)
+    sample_grid(run, args, ema, final=scored)
+    if args.eval_n and not scored:
+        print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
     return 0
 
 
