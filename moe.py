@@ -115,7 +115,7 @@ class MoE(nn.Module):
         _, w, idx = self.route(x)
         if self.impl == "loop" and not self.ep_group:
             y = self.dispatch_loop(x, w, idx)
-        else:  # sorted, grouped, --ep: the T*k assignments sorted by expert (so by owning rank), one gather, one scatter
+        else:  # sorted, grouped, --ep: the T*k assignments sorted by expert (so by owning rank), gathered, scattered
             order = idx.flatten().argsort(stable=True)
             token = order // self.k                          # the token each sorted row came from
             # index_select, not x[token]: its backward (index_add) sums repeated rows in a fixed order on a CPU; the

@@ -213,7 +213,7 @@ def measure(args):
 def strip(argv, with_value, switches=()):
     """argv without the given options (and the values of those in `with_value`)."""
     values = {i + 1 for i, a in enumerate(argv) if a in with_value}
-    return [a for i, a in enumerate(argv) if i not in values and a.split("=")[0] not in with_value and a not in switches]
+    return [a for i, a in enumerate(argv) if not (i in values or a.split("=")[0] in with_value or a in switches)]
 
 
 def compare(args, argv):
