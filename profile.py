@@ -51,6 +51,9 @@ else:  # run as a script, or imported under another name
 
 PHASES = ("forward", "backward", "optimizer")
 CLAIMS = ("attn", "moe-impl", "moe", "ep", "compile", "compile-moe", "precision", "full-size", "loader")
+COLUMNS = {"step_ms": ("step ms", ".1f"), "img_per_s": ("img/s", ".0f"), "peak_mem_mb": ("peak MB", ".0f"),
+           "param_mb": ("params MB/rank", ".2f"), "opt_state_mb": ("optimizer state MB/rank", ".2f"),
+           "achieved_tflops": ("TFLOP/s", ".3g"), "mfu": ("MFU", ".1%"), "loader_img_per_s": ("loader img/s", ".0f")}
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
@@ -298,24 +301,18 @@ def print_result(res, times):
 def ratio_table(args, flag, values, runs):
     """Medians per value -> (rows {value: {key: median}}, the table's lines; ratios to the first value)."""
     phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES + ("all_to_all",) * (flag == "ep")
-    has_mfu, loader = runs[values[0]][0]["mfu"] is not None, args.mode == "dataloader"
-    keys = [k + "_ms" for k in phases] + ["step_ms", "img_per_s", "peak_mem_mb", "param_mb", "opt_state_mb",
-                                          "achieved_tflops"]
-    keys += ["mfu"] * has_mfu + ["loader_img_per_s"] * loader
+    columns = {f"{k}_ms": (f"{k} ms", ".1f") for k in phases} | {  # result key -> (heading, format); those measured
+        k: c for k, c in COLUMNS.items() if runs[values[0]][0].get(k) is not None}
     # (r.get: a run with --ep 1 has no all_to_all phase)
-    rows = {v: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys} for v, rs in runs.items()}
+    rows = {v: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in columns} for v, rs in runs.items()}
     ref = rows[values[0]]
-    head = ([f"--{flag}"] + [f"{k} ms" for k in phases] + ["step ms", "img/s", "peak MB", "params MB/rank",
-            "optimizer state MB/rank", "TFLOP/s"] + ["MFU"] * has_mfu + ["loader img/s"] * loader +
-            [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"])
+    head = [f"--{flag}"] + [name for name, _ in columns.values()] + [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"]
     lines = []
     for v, row in rows.items():
-        lo, hi = (f(r["step_ms"] for r in runs[v]) for f in (min, max))
-        lines.append([v] + [f"{row[k + '_ms']:.1f}" for k in phases] + [
-            f"{row['step_ms']:.1f} ({lo:.0f}–{hi:.0f})", f"{row['img_per_s']:.0f}", f"{row['peak_mem_mb']:.0f}",
-            f"{row['param_mb']:.2f}", f"{row['opt_state_mb']:.2f}", f"{row['achieved_tflops']:.3g}"] +
-            ([f"{100 * row['mfu']:.1f}%"] if has_mfu else []) + ([f"{row['loader_img_per_s']:.0f}"] if loader else []) +
-            [f"{row['step_ms'] / ref['step_ms']:.2f}×", f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
+        cells = {k: format(row[k], fmt) for k, (_, fmt) in columns.items()}
+        cells["step_ms"] += " (%.0f–%.0f)" % tuple(f(r["step_ms"] for r in runs[v]) for f in (min, max))  # range
+        lines.append([v, *cells.values(), f"{row['step_ms'] / ref['step_ms']:.2f}×",
+                      f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])
     text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(l) + " |" for l in lines]
     for v in values[1:] if flag == "nproc" else []:  # scaling efficiency: N ranks' images/s over N times one rank's
         comm = statistics.median(r["communication_share"] for r in runs[v])
