@@ -163,8 +163,7 @@ class MoE(nn.Module):
 
     def experts_grouped(self, xs, e, counts):
         """Rows sorted by expert xs (n, D), their experts e (n,), rows per expert counts (E,) on the device -> each row
-        through its expert (n, D), as two grouped GEMMs over a buffer of fixed size: no host sync, no data-dependent
-        shape."""
+        through its expert (n, D): two grouped GEMMs over a fixed-size buffer, no host sync, no data-dependent shape."""
         E, n = len(counts), len(e)                          # (E: the experts this rank holds)
         dt = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
         padded = (counts + ALIGN - 1) // ALIGN * ALIGN      # group sizes rounded up
@@ -186,8 +185,7 @@ class MoE(nn.Module):
         ranks, group = self.ep_size, self.ep_group
         received = torch.empty_like(counts)                 # (ranks * E/ranks,) rows from each rank to each of mine
         exchange(received, counts, group=group)
-        sizes = torch.cat([counts.view(ranks, -1).sum(1), received.view(ranks, -1).sum(1)]).tolist()  # (host read)
-        send, recv = sizes[:ranks], sizes[ranks:]           # rows to and from each rank of the group
+        send, recv = torch.stack([counts, received]).view(2, ranks, -1).sum(-1).tolist()  # rows to and from each rank
         xs = AllToAll.apply(xs, send, recv, group)          # (sum(recv), D) the rows for my experts
         local = torch.arange(self.E // ranks, device=xs.device).repeat(ranks)  # (E,) my experts, once per rank
         local = local.repeat_interleave(received, output_size=sum(recv))  # each received row's expert here
@@ -226,8 +224,7 @@ grouped_mm_eager = torch._disable_dynamo(F.grouped_mm)
 
 def expert_counts(idx, E):
     """Assignments per expert (E,), computed on the device (torch.bincount reads its max on the host)."""
-    flat = idx.flatten()
-    return torch.zeros(E, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return idx.new_zeros(E).scatter_add_(0, idx.flatten(), torch.ones_like(idx).flatten())  # (idx: int64)
 
 
 def default_impl(device):
@@ -269,16 +266,13 @@ def upcycle(model, dense_state):
     """Dense checkpoint -> MoE model (DiT-MoE's upcycling): every expert a copy of the dense MLP, the rest copied;
     routers fresh and shared experts at zero output, so the first forward equals the dense model's. Routing breaks
     the symmetry: each expert gets different tokens, hence different gradients. -> tensors copied."""
-    state = model.state_dict()
-    mlps = {f"{k}.{w}.{p}" for k, m in model.named_modules() if isinstance(m, MoE) for w in ("w13", "w2")
-            for p in ("weight", "bias")}  # the dense MLPs' tensors, which become the experts
+    state, moes = model.state_dict(), {k: m for k, m in model.named_modules() if isinstance(m, MoE)}
+    mlps = {f"{k}.{w}.{p}" for k in moes for w in ("w13", "w2") for p in ("weight", "bias")}  # become the experts
     if unknown := sorted(set(dense_state) - set(state) - mlps):
         raise SystemExit(f"--upcycle: not a dense checkpoint of this model.py (tensors {', '.join(unknown[:3])} ...)")
     copied = {k: v for k, v in dense_state.items() if k in state and state[k].shape == v.shape}
     state.update(copied)
-    for name, m in model.named_modules():
-        if not isinstance(m, MoE):
-            continue
+    for name, m in moes.items():
         w13, w2 = dense_state[f"{name}.w13.weight"], dense_state[f"{name}.w2.weight"]
         if w2.shape[1] != m.hidden:
             raise SystemExit(f"upcycling needs experts as wide as the dense MLP: pass --expert-hidden {w2.shape[1]}")
@@ -302,13 +296,8 @@ def nudge_biases(model, rate, skip=None):
 
 def routing_stats(model):
     """Per MoE layer: load per expert (list), router entropy, experts that got no token."""
-    out = []
-    for m in model.modules():
-        if isinstance(m, MoE) and m.stats:
-            load = m.stats["load"].tolist()
-            out.append(dict(load=[round(v, 4) for v in load], entropy=round(m.stats["entropy"].item(), 4),
-                            unused=sum(v == 0 for v in load)))
-    return out
+    return [dict(load=[round(v, 4) for v in load], entropy=round(m.stats["entropy"].item(), 4), unused=load.count(0))
+            for m in model.modules() if isinstance(m, MoE) and m.stats for load in [m.stats["load"].tolist()]]
 
 
 # ---- Expert parallelism (--ep N): who holds which experts, their gradients, whole checkpoints ------------------------

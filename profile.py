@@ -19,19 +19,17 @@ RSS before the first step (the step's own working memory).
 # torch._dynamo and torch.compile). So when it is imported under that name it hands the standard module over:
 # sys.modules then holds the real one, which is what `import profile` returns, and nothing heavy is imported.
 import contextlib
+import os
 import sys
 
 if __name__ == "profile":
     import importlib.util
-    import os
     import sysconfig
-    _spec = importlib.util.spec_from_file_location("profile", os.path.join(sysconfig.get_paths()["stdlib"],
-                                                                          "profile.py"))
+    _spec = importlib.util.spec_from_file_location("profile", os.path.join(sysconfig.get_path("stdlib"), "profile.py"))
     sys.modules["profile"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["profile"])
 else:  # run as a script, or imported under another name
     import json
-    import os
     import random
     import resource
     import statistics
@@ -45,7 +43,7 @@ else:  # run as a script, or imported under another name
     import data
     import moe
     import train
-    from files import atomic_write, read_json, write_json
+    from files import atomic_write, read_json, read_text, write_json
     from model import count_params, device
     from moe import MoE
 
@@ -85,14 +83,12 @@ def get_args(argv=None):
 # ---- measure: one step of train.py, timed by phase, on a fixed batch or the real loop ----------------------------
 def rss_mb():
     """Current resident set size of this process, MB (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    return int(read_text("/proc/self/statm").split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
 def fixed_batch(args, run):
     """One real built-in batch, encoded once: `compute` then times the model alone."""
-    rng = random.Random(args.seed)
-    caps, imgs = [], []
+    rng, caps, imgs = random.Random(args.seed), [], []
     for _ in range(args.batch_size):  # real images: MoE routing depends on what the tokens show
         cap, a = data.random_caption(rng)
         caps.append(cap)
@@ -125,9 +121,8 @@ def run_steps(run, args, n, get_batch, times=None):
             mark("encoders")
         with timing_exchanges(exchanged):
             train.train_step(run, args, micro_batches, mark)
-        for phase, sec in step.items():
-            if times is not None:
-                times.setdefault(phase, []).append(sec)
+        for phase, sec in step.items() if times is not None else ():
+            times.setdefault(phase, []).append(sec)
 
 
 @contextlib.contextmanager
@@ -343,9 +338,8 @@ def claims(gpu):
         full_title = "The full-size model's inputs (4-channel latents, CLIP-L-sized text) at CPU size: width 96"
         precision, loader = "fp32", 1
     over = lambda extra: strip(base, {a for a in extra if a.startswith("--")}) + extra  # base, these flags replaced
-    return [("attn", f"Attention: manual vs SDPA at {n} image tokens", over(size.split() + ["--compare",
-                                                                                       "attn=manual,sdpa"]))
-            for n, size in attn] + [
+    return [("attn", f"Attention: manual vs SDPA at {n} image tokens",
+             over(f"{size} --compare attn=manual,sdpa".split())) for n, size in attn] + [
         ("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
          base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
         ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),

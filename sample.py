@@ -27,7 +27,7 @@ import data
 import eval
 import flow
 from data import as_uint8, to_pil
-from files import atomic_write
+from files import atomic_write, read_text
 from model import DiT, TextEncoder, device, load_vae
 from moe import MoE, default_impl
 
@@ -265,13 +265,12 @@ def plot_run(folder):
     path = os.path.join(folder, "log.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"no log.jsonl in {folder}: pass a run folder (train.py --out), e.g. out/run")
-    steps, scores = {}, {}
-    with open(path) as f:
-        for rec in map(json.loads, f):  # after a resume the same steps come again: the last line wins
-            if "loss" in rec:
-                steps[rec["step"]] = rec
-            elif rec.get("sample_acc") or rec.get("eval"):  # (None where no judge scores the data)
-                scores[rec["step"]] = rec.get("sample_acc") or rec["eval"]
+    steps, scores = {}, {}  # after a resume the same steps come again: the last line wins
+    for rec in map(json.loads, read_text(path).splitlines()):
+        if "loss" in rec:
+            steps[rec["step"]] = rec
+        elif rec.get("sample_acc") or rec.get("eval"):  # (None where no judge scores the data)
+            scores[rec["step"]] = rec.get("sample_acc") or rec["eval"]
     recs = [steps[s] for s in sorted(steps)]
     x = [r["step"] for r in recs]
     curves = {"loss": (x, [r["loss"] for r in recs]), "lr": (x, [r["lr"] for r in recs])}

@@ -1,11 +1,10 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
-In nanoGPT's order: flags -> set-up (the Run: model, EMA, optimizer, schedule, and the engine) -> one training step
--> the loop, whose outline is main(); after one banner, what a first read may skip: logging, checkpoints, evaluation,
-signals, exits. The engine (one process, DDP, DeepSpeed ZeRO-2) is chosen once in setup(); the step calls only its
-forward, micro_batch, backward and step. Under torchrun (`--dist ddp|deepspeed`) it is the same file, keyed off
-RANK; profile.py and the tests reuse its parser and step. Resume is exact: a checkpoint holds every state, RNGs and
-each rank's data.Position included.
+In nanoGPT's order: flags -> set-up (the Run, and the engine: one process, DDP or DeepSpeed ZeRO-2, chosen once; the
+step calls only its forward, micro_batch, backward and step) -> one training step -> the loop, outlined in main();
+after one banner, what a first read may skip: logging, checkpoints, evaluation, signals, exits. Under torchrun
+(`--dist ddp|deepspeed`) it is the same file, keyed off RANK; profile.py and the tests reuse its parser and step.
+Resume is exact: a checkpoint holds every state, RNGs and each rank's data.Position included.
 """
 import argparse
 import contextlib
@@ -148,9 +147,8 @@ class Engine:
         (loss / self.grad_accum).backward()
 
     def step(self, loss):
-        """Clip at 1.0 and update, on the device, then clear the gradients: a non-finite loss or gradient norm skips
-        the whole update (fused AdamW's found_inf), alike on every rank (the gradients, so their norm, are the same).
-        -> (gradient norm, bad step)."""
+        """Clip at 1.0, update on the device, clear the gradients -> (gradient norm, bad step): a non-finite loss or
+        gradient norm skips the whole update (fused AdamW's found_inf), alike on every rank (as are the gradients)."""
         moe.reduce_expert_grads(self.model, self.world)  # --ep: the experts' gradients, as DDP's mean would give them
         grad_norm = moe.clip_grad_norm_(self.model, 1.0)  # (NaN/inf pass through; --ep: the whole model's)
         bad_step = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
@@ -305,9 +303,8 @@ def train_step(run, args, micro_batches, mark=None):
     -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (but
     DeepSpeed's norm). A non-finite loss or gradient norm changes no weight, moment or EMA; it takes its step number."""
     mark = mark or (lambda phase: None)  # (profile.py times the phases)
-    dev, last_i = run.dev, len(micro_batches) - 1
-    per_rank = micro_batches[0][0].shape[0]              # images in one micro-batch of one rank
-    per_micro = per_rank * run.world                      # ... of all ranks
+    dev, per_rank = run.dev, micro_batches[0][0].shape[0]  # images in one micro-batch of one rank
+    per_micro = per_rank * run.world                        # ... of all ranks
     global_batch = per_micro * len(micro_batches)
     keep = torch.rand(global_batch, generator=run.gen, device=dev) >= args.cfg_drop  # False: the null caption
     t_all = flow.sample_t(global_batch, args.t_dist, run.gen, dev, args.t_shift)
@@ -317,7 +314,7 @@ def train_step(run, args, micro_batches, mark=None):
         text, mask = flow.drop_captions(text, mask, keep[mine])
         eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)  # (this bucket's shape)
         eps = eps[run.rank * per_rank:(run.rank + 1) * per_rank]
-        with run.engine.micro_batch(last=i == last_i):
+        with run.engine.micro_batch(last=i == len(micro_batches) - 1):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.engine.forward, x0, text, mask, t_all[mine], eps, args.contrast)
                 balance_i = moe.balance_loss(run.model, run.world > 1).to(loss_i.device)  # (0 for a dense model)
@@ -359,15 +356,13 @@ def train_loop(args, run, signals):
     bar = tqdm(total=args.steps, initial=run.step, desc="train", dynamic_ncols=True, disable=run.rank != 0)
     n_seen, t_window, stopped = 0, time.time(), False
     stream = data.batches(run.shards, args.batch_size, run.buckets or args.image_size, args.seed, run.rank, run.world,
-                          args.workers, run.position)  # (which it keeps up to date)
+                          args.workers, run.position)  # (which it keeps up to date; it exits where a rank has no batch)
     # a first signal is acted on between steps, never while the loader runs: raised there, it could leave one of the
     # loader's locks held (the close would then hang) or its data position half-updated. A second one raises at once.
     signals.defer = True
     try:
-        batch = next(stream) if run.step < args.steps else None  # (data.batches exits where a rank has no batch)
-        while batch is not None:
-            micro_batches = [encode_batch(run, batch)] + [encode_batch(run, next(stream))
-                                                          for _ in range(args.grad_accum - 1)]
+        while run.step < args.steps and not stopped:  # (before a batch is fetched: the saved data position is exact)
+            micro_batches = [encode_batch(run, next(stream)) for _ in range(args.grad_accum)]
             out = train_step(run, args, micro_batches)
             n_seen += sum(x0.shape[0] for x0, _, _ in micro_batches) * run.world
             if run.step % args.log_every == 0 or run.step == args.steps:  # the only steps that read the device
@@ -380,9 +375,6 @@ def train_loop(args, run, signals):
                 sample_grid(run, args, moe.gathered(run.ema, run.config))  # (all ranks: --ep gathers the experts)
             if run.step % args.ckpt_every == 0 or run.step == args.steps:
                 save_checkpoint(run, args)
-            if run.step >= args.steps or stopped:  # before the next batch is fetched, so the saved
-                break                               # data position is exact
-            batch = next(stream)
     finally:  # stop the loader's workers now: they ignore TERM, so at exit multiprocessing would wait for them forever
         stream.close()
     bar.close()
@@ -409,9 +401,7 @@ def main(argv=None):
         signum = e.args[0]
         print(f"caught {signal.Signals(signum).name}: exiting at once; the last checkpoint written stands",
               file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            os._exit(128 + signum)
-        raise SystemExit(128 + signum)
+        (os._exit if dist.is_initialized() else sys.exit)(128 + signum)  # (gloo can abort at interpreter exit)
     finally:  # (the tests call main() again in one process); after a stop, late copies of the signal are ignored
         for s, handler in signals.old.items():
             signal.signal(s, signal.SIG_IGN if signals.caught else handler)
@@ -420,9 +410,8 @@ def main(argv=None):
 # ==== What a first read may skip: logging, checkpoints, evaluation, stop signals, exits ==============================
 def count_bad_step(run, bad_step):
     """run.bad_steps after a step, on the device: the total, the run in a row ending here, the longest such run."""
-    counts = run.bad_steps
-    counts["total"] = counts["total"] + bad_step.float()
-    counts["in_a_row"] = (counts["in_a_row"] + 1) * bad_step.float()
+    counts, bad = run.bad_steps, bad_step.float()
+    counts["total"], counts["in_a_row"] = counts["total"] + bad, (counts["in_a_row"] + 1) * bad
     counts["longest"] = torch.maximum(counts["longest"], counts["in_a_row"])
 
 
@@ -548,8 +537,7 @@ def load_checkpoint(run, args):
 
 
 def sample_grid(run, args, ema, final=False):
-    """Rank 0: the whole EMA draws each held-out prompt (or name): once, with fixed noise (samples/step_N.png), or at
-    the end --eval-n times with --seed noise, FID included (samples/eval.png) -> its scores in log.jsonl, loss.png."""
+    """Rank 0: the whole EMA draws each held-out prompt (or name) once (fixed noise), or at the end --eval-n times."""
     if run.rank == 0:
         path = os.path.join(args.out, "samples", "eval.png" if final else f"step_{run.step:06d}.png")
         scores, fake, _ = sample.score_heldout(ema, run.encoder, run.vae, run.names, path, args.eval_n if final else 1,
