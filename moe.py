@@ -21,8 +21,8 @@ Three dispatches (`--moe-impl`), equal outputs and gradients: `loop`, the readab
 tokens, run it, add back: DiT-MoE's); `sorted` (CPU default), the T*k assignments sorted by expert once, one slice
 per expert, one index_add back; `grouped` (CUDA default), the same rows in a fixed-size buffer, each expert's group
 padded to ALIGN rows, all experts' W13 then W2 as ONE grouped GEMM each (F.grouped_mm, torchtitan's design): its
-shapes depend on (T, k, E) only, so no host sync and no recompiles. Loop and sorted read counts on the host and run
-eagerly under torch.compile.
+shapes depend on (T, k, E) only, so no host sync and no recompiles. The loop and the sorted slices read counts on the
+host and run eagerly under torch.compile.
 
 Expert parallelism (`--ep N`, torchrun): ranks form groups of N, and rank j of a group holds experts [j E/N, (j+1) E/N)
 only; the rest is replicated. Per layer: route locally; sort the T*k rows by expert, hence by owning rank; exchange
