@@ -1,4 +1,4 @@
-"""data.py -- what the model eats: the built-in shapes, images <-> tensors, WebDataset streaming, offline tools.
+"""data.py -- what the model eats: the built-in shapes, images <-> tensors, WebDataset streaming; files, offline tools.
 
     python data.py shards SRC OUT --size 256    # your captioned images -> shards + manifest.json + SHA256SUMS
     python data.py emoji OUT                    # real pictures with real names, offline (Noto Color Emoji)
@@ -17,6 +17,7 @@
 import atexit
 import bisect
 import collections
+import contextlib
 import hashlib
 import io
 import itertools
@@ -24,6 +25,7 @@ import json
 import math
 import multiprocessing
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -37,7 +39,6 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
 import model
-from files import read_json, read_text, write_json
 
 # ---- The built-in dataset: coloured shapes at named positions --------------------------------------------------
 COLORS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 240),
@@ -396,7 +397,60 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
             f"fewer --workers or ranks, or more data.")
 
 
-# ==== What a first read may skip: the offline tools (converter, emoji, precompute) and their command line =============
+# ==== What a first read may skip: files written whole, JSON; the offline tools (converter, emoji, precompute) ======
+# atomic_write: a crash or power loss leaves the old file or the new one, never a torn one (checkpoints, grids,
+# loss.png); log.jsonl's lines are strict JSON (append_json: NaN and inf become null).
+def atomic_write(path, write, keep=None):
+    """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
+    given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before a name points at them
+        if keep and os.path.exists(path):
+            os.replace(path, keep)
+        os.replace(tmp, path)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)  # and so are the renames
+        finally:
+            os.close(fd)
+    finally:  # on any error no .tmp is left behind, and the error goes on
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def read_text(path):
+    """A file's text; None where there is no such file."""
+    return pathlib.Path(path).read_text() if os.path.exists(path) else None
+
+
+def read_json(path):
+    """A JSON file's value; None where there is no such file."""
+    return None if (text := read_text(path)) is None else json.loads(text)
+
+
+def write_json(path, value):
+    """value -> path as JSON (indent 1: readable, diffable)."""
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+
+
+def append_json(f, rec):
+    """One JSON line to an open file (log.jsonl), flushed; NaN and inf become null, since bare NaN is not JSON."""
+    def finite(x):
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+    if f:
+        f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
+        f.flush()
+
+
 def list_images(src):
     """Image folder (captions in sidecar .txt, stripped) or a .csv / .jsonl of path,caption (paths relative to that
     file's folder) -> [(path, caption)]; caption None where there is none."""

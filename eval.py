@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import data
-from data import as_uint8
-from files import read_json
+from data import as_uint8, read_json
 from model import device, loading
 
 

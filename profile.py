@@ -43,7 +43,7 @@ else:  # run as a script, or imported under another name
     import data
     import moe
     import train
-    from files import atomic_write, read_json, read_text, write_json
+    from data import atomic_write, read_json, read_text, write_json
     from model import count_params, device
     from moe import MoE
 

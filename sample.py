@@ -26,8 +26,7 @@ from PIL import Image
 import data
 import eval
 import flow
-from data import as_uint8, to_pil
-from files import atomic_write, read_text
+from data import as_uint8, atomic_write, read_text, to_pil
 from model import DiT, TextEncoder, device, load_vae
 from moe import MoE, default_impl
 

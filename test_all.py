@@ -36,7 +36,6 @@ from PIL import Image
 
 import data
 import eval
-import files
 import flow
 import moe
 import sample
@@ -125,7 +124,7 @@ def identical_shards(folder, n_shards=4, per_shard=16, sizes=((16, 16),)):
                                                          sizes[i % len(sizes)]), "txt": "a red square"}
                                                         for i in range(per_shard)])
     counts = collections.Counter("%dx%d" % sizes[i % len(sizes)] for _ in range(n_shards) for i in range(per_shard))
-    files.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
+    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=counts if len(sizes) > 1 else {}))
     return str(folder)
 
 
@@ -586,7 +585,7 @@ def sized_shards(folder, sizes_per_shard):
             samples.append({"__key__": f"{k}-{i}", "png": buf.getvalue(), "txt": f"{w}x{h} {k}-{i}"})
             sizes[f"{w}x{h}"] += 1
         write_shard(os.path.join(folder, f"s{k}.tar"), samples)
-    files.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
+    data.write_json(os.path.join(folder, "manifest.json"), dict(buckets=sizes))
     return data.tars(folder)
 
 
@@ -660,7 +659,7 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
         by_size[img.size][0].append(img)
         by_size[img.size][1].append(json.loads(s["json"]))
     assert sorted(by_size) == sorted(data.buckets(32, 4))
-    assert files.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
+    assert data.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
         {"%dx%d" % size: len(imgs) for size, (imgs, _) in by_size.items()}
     for size, (imgs, attrs) in by_size.items():
         assert eval.judge_accuracy(imgs, attrs)["all"] >= 0.97, size
@@ -955,16 +954,16 @@ def test_atomic_write_never_leaves_a_torn_file_and_keeps_the_previous_one(tmp_pa
     path, keep = str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt.prev.pt")
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    files.atomic_write(path, lambda f: f.write(b"first"))
+    data.atomic_write(path, lambda f: f.write(b"first"))
     assert open(path, "rb").read() == b"first" and len(synced) == 2  # the file, then its folder
 
     def torn(f):  # half written, then the disk is full
         f.write(b"sec")
         raise OSError(28, "No space left on device")
     with pytest.raises(OSError, match="No space"):
-        files.atomic_write(path, torn, keep=keep)
+        data.atomic_write(path, torn, keep=keep)
     assert open(path, "rb").read() == b"first" and sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no .tmp left
-    files.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
+    data.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
     assert open(path, "rb").read() == b"second" and open(keep, "rb").read() == b"first"
 
 

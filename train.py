@@ -27,7 +27,7 @@ import eval
 import flow
 import moe
 import sample
-from files import append_json, atomic_write, read_json, write_json
+from data import append_json, atomic_write, read_json, write_json
 from model import MODELS, DiT, TextEncoder, count_params, device, load_vae, preset
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
