@@ -109,10 +109,11 @@ def save_grid(images, path, nrow=8, scale=2):
 def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1.0, fid=False, judge=True,
                   batch=256, size=None):
     """Every held-out prompt (built-in shapes) or name (a names set), n_each times, at `size` (a list: each bucket in
-    turn) -> grid PNG and (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID: fid)."""
+    turn) -> grid PNG and (scores, uint8 samples, captions): the judge's accuracies, or retrieval (+ FID/KID: fid).
+    grid None: only draw (train.py's FSDP ranks but the first, which run the same forwards)."""
     if isinstance(size, (list, dict)):  # buckets (a dict: its keys), each in turn: "WxH" -> (scores, fake, captions)
-        per = {"%dx%d" % b: score_heldout(model, encoder, vae, names, grid.replace(".png", "_%dx%d.png" % b), n_each,
-                                          steps, cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
+        per = {"%dx%d" % b: score_heldout(model, encoder, vae, names, grid and grid.replace(".png", "_%dx%d.png" % b),
+                                          n_each, steps, cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
         scores = None
         if all(p[0] for p in per.values()):  # the mean over the buckets, and each bucket's own
             scores = {k: sum(p[0][k] for p in per.values()) / len(per) for k in next(iter(per.values()))[0]}
@@ -124,6 +125,8 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
     else:
         captions, attrs = map(list, zip(*data.heldout_prompts(n_each)))  # (caption, attributes) pairs, unzipped
     fake = as_uint8(sample_images(model, encoder, vae, captions, steps, cfg, seed, shift, batch, size))
+    if grid is None:
+        return None, fake, captions
     images = None if names else [to_pil(x) for x in fake]  # (the judge reads PIL images)
     try:
         if names:

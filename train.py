@@ -1,9 +1,9 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
-In nanoGPT's order: flags -> set-up (the Run, and the engine: one process, DDP or DeepSpeed ZeRO-2, chosen once; the
-step calls only its forward, micro_batch, backward and step) -> one training step -> the loop, outlined in main();
-after one banner, what a first read may skip: logging, checkpoints, evaluation, signals, exits. Under torchrun
-(`--dist ddp|deepspeed`) it is the same file, keyed off RANK; profile.py and the tests reuse its parser and step.
+In nanoGPT's order: flags -> set-up (the Run, and the engine: one process, DDP, DeepSpeed ZeRO-2 or FSDP2, chosen
+once; the step calls only its forward, micro_batch, backward and step) -> one training step -> the loop, outlined in
+main(); after one banner, what a first read may skip: logging, checkpoints, evaluation, signals, exits. Under torchrun
+(`--dist ddp|deepspeed|fsdp`) it is the same file, keyed off RANK; profile.py and the tests reuse its parser and step.
 Resume is exact: a checkpoint holds every state, RNGs and each rank's data.Position included.
 """
 import argparse
@@ -69,11 +69,12 @@ def get_parser():
     a("--t-shift", type=float, default=1.0, help="SD3's time shift s of training and sampling times; 1 = none")
     a("--contrast", type=float, default=0.0, help="contrastive flow matching weight lambda (0 = plain flow matching)")
     a("--cfg-drop", type=float, default=0.1, help="probability of training on the null caption (for guidance)")
-    a("--ema", type=float, default=0.0, help="EMA decay of the weights used for sampling (0: the trained weights)")
+    a("--ema", type=float, default=0.0, help="EMA decay of the weights samples use (0: the trained weights, no copy)")
     a("--precision", choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
     a("--compile", action="store_true", help="torch.compile the training forward and backward")
     a("--grad-ckpt", action="store_true", help="activation checkpointing: recompute each block in the backward")
-    a("--dist", default="none", choices=["none", "ddp", "deepspeed"], help="under torchrun: DDP or DeepSpeed ZeRO-2")
+    a("--dist", default="none", choices=["none", "ddp", "deepspeed", "fsdp"],
+      help="under torchrun: DDP, DeepSpeed ZeRO-2, or FSDP2 (every weight split over the ranks too)")
     a("--seed", type=int, default=0, help="seed of data order, noise, times and caption drop")
     a("--workers", type=int, default=int(torch.cuda.is_available()), help="loader processes (CPU: 0, cores are busy)")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, loss.png, samples/")
@@ -111,7 +112,7 @@ def get_args(argv=None, parser=None):
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ...")
     if args.ep > 1 and (args.dist != "ddp" or (args.moe or 1) % args.ep or int(os.environ["WORLD_SIZE"]) % args.ep):
-        p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed) and --moe E, with E and the ranks multiples of it")
+        p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed or fsdp) and --moe E, E and the ranks multiples of it")
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
@@ -127,11 +128,12 @@ class Engine:
     """One process, or DDP (`--dist ddp`: each rank's gradients averaged in the backward). `forward` is what the step
     calls: the model, compiled (`--compile`) and/or DDP-wrapped; EMA, samples and checkpoints use the plain model."""
     partitioned = False  # True: the optimizer state is split over the ranks (checkpointed as a folder per rank)
+    sharded = False      # True: so is every weight; all ranks run each forward together (sampling too)
 
     def __init__(self, args, model, opt, dev, world, local_rank):
         self.model, self.opt, self.world, self.grad_accum = model, opt, world, args.grad_accum
         self.forward = torch.compile(model) if args.compile else model
-        if world > 1:  # compile first, then wrap; DDP finds idle experts' unused parameters (--ep: it holds none)
+        if world > 1 and not self.sharded:  # compile, then wrap; DDP finds idle experts' unused parameters (not --ep's)
             self.forward._ddp_params_and_buffers_to_ignore = moe.ep_sharded_names(self.forward)  # (see moe.py)
             self.forward = torch.nn.parallel.DistributedDataParallel(
                 self.forward, device_ids=[local_rank] if dev == "cuda" else None,
@@ -149,13 +151,25 @@ class Engine:
     def step(self, loss):
         """Clip at 1.0, update on the device, clear the gradients -> (gradient norm, bad step): a non-finite loss or
         gradient norm skips the whole update (fused AdamW's found_inf), alike on every rank (as are the gradients)."""
-        moe.reduce_expert_grads(self.model, self.world)  # --ep: the experts' gradients, as DDP's mean would give them
-        grad_norm = moe.clip_grad_norm_(self.model, 1.0)  # (NaN/inf pass through; --ep: the whole model's)
+        grad_norm = self.clip()  # (NaN/inf pass through)
         bad_step = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
         self.opt.found_inf = bad_step.float()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return grad_norm, bad_step
+
+    def clip(self):
+        """Clip the gradients' global norm at 1.0 -> that norm (--ep: each expert's gradient first made DDP's mean)."""
+        moe.reduce_expert_grads(self.model, self.world)
+        return moe.clip_grad_norm_(self.model, 1.0)
+
+    def whole_state(self, state):
+        """A state dict of the model or of its AdamW as a checkpoint keeps it: whole (all ranks call it)."""
+        return moe.reshard(self.model, state, whole=True)  # (--ep: every expert, gathered)
+
+    def own_state(self, state):
+        """The inverse, on resume: a whole state dict -> the part of it this rank holds."""
+        return moe.reshard(self.model, state, whole=False)
 
 
 class DeepSpeedEngine(Engine):
@@ -182,6 +196,55 @@ class DeepSpeedEngine(Engine):
         return grad_norm, ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
 
 
+class FSDPEngine(Engine):
+    """FSDP2 (`--dist fsdp`, ZeRO-3): shard() splits every tensor of the model (and of its EMA) along dim 0 over the
+    ranks, one block at a time: a block's whole weights are all-gathered just before it runs (in the forward, and
+    again in the backward) and freed after; its gradients are reduce-scattered (averaged) to their shards, where
+    AdamW updates them. A rank holds 1/N of the weights, gradients and moments, plus one block's whole weights. The
+    tensors are DTensors (a shard that knows its whole), so the step is one process's: clip all-reduces the norm."""
+    sharded = True
+
+    @staticmethod
+    def shard(models, args, dev):
+        """Before the optimizer is built: each block, then the rest (embeddings, final layer), of each model."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = torch.distributed.device_mesh.init_device_mesh(dev, (dist.get_world_size(),))
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16" else {}
+        for i, m in enumerate(models):  # (models[0] trains: bf16 weights gathered, fp32 gradients reduced; the EMA
+            policy = MixedPrecisionPolicy(**bf16 if i == 0 else {}, cast_forward_inputs=False)  # samples in fp32)
+            for module in [*m.blocks, m]:  # (the root too: between steps no rank holds anything whole)
+                fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        models[0].set_reduce_scatter_unused_params(args.moe > 0)  # an expert that got no token: a zero gradient
+
+    def micro_batch(self, last):
+        """Reduce-scatter in the last micro-batch's backward only; before, the whole gradients accumulate."""
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def clip(self):
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0).full_tensor()  # (the same on all ranks)
+
+    def whole_state(self, state):
+        """Each shard made whole one tensor at a time and kept on rank 0 only, on the CPU: no second copy anywhere."""
+        if isinstance(state, dict):
+            return {k: self.whole_state(v) for k, v in state.items()}
+        if not hasattr(state, "full_tensor"):  # a plain tensor (buffers, AdamW's step) or a number
+            return state
+        whole = state.full_tensor()
+        return whole.cpu() if dist.get_rank() == 0 else None
+
+    def own_state(self, state):
+        """Each whole tensor cut to this rank's shard of its parameter (no communication); buffers stay whole."""
+        from torch.distributed.tensor import distribute_tensor
+        params = dict(self.model.named_parameters())
+        cut = lambda v, p: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+        if "param_groups" not in state:  # the model's (or its EMA's), by name
+            return {k: cut(v, params[k]) if k in params else v for k, v in state.items()}
+        by_index = list(params.values())  # AdamW's moments, by parameter index (as in one process)
+        return {**state, "state": {i: {k: v if k == "step" else cut(v, by_index[i]) for k, v in moments.items()}
+                                   for i, moments in state["state"].items()}}
+
+
 # ---- Set-up: the run's state, built once, advanced by every step, saved by every checkpoint -------------------------
 @dataclasses.dataclass
 class Run:
@@ -191,10 +254,10 @@ class Run:
     world: int                     # processes in the run
     config: dict                   # DiT(**config): saved, so sample.py rebuilds the model without the flags
     model: torch.nn.Module         # the weights being trained
-    ema: torch.nn.Module           # their exponential moving average: samples and evaluation use it
+    ema: torch.nn.Module           # their exponential moving average, samples use it (--ema 0: the model itself)
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
-    engine: Engine                 # one process, DDP or DeepSpeed: what the step calls for gradients and updates
+    engine: Engine                 # one process, DDP, DeepSpeed or FSDP: what the step calls for its gradients
     gen: torch.Generator           # noise, t and caption drop: seeded alike on every rank
     encoder: TextEncoder           # frozen
     vae: object = None             # frozen model.VAE; None = the model works on pixels
@@ -242,8 +305,11 @@ def setup(args, shape=None):
         copied = moe.upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
         if rank == 0:
             print(f"upcycled from {args.upcycle}: {copied} tensors copied, every expert = the dense MLP, routers fresh")
-    ema = copy.deepcopy(model).requires_grad_(False)
-    moe.shard_experts([model, ema], args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
+    ema = copy.deepcopy(model).requires_grad_(False) if args.ema else model
+    copies = [model, ema] if args.ema else [model]
+    moe.shard_experts(copies, args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
+    if args.dist == "fsdp":  # each rank keeps 1 / world of every weight, so of its gradient and AdamW state
+        FSDPEngine.shard(copies, args, dev)
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
@@ -255,7 +321,8 @@ def setup(args, shape=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     # noise, t, caption drop: every rank draws the global batch's and keeps its slice (a run is split-independent)
     gen = torch.Generator(dev).manual_seed(args.seed)
-    engine = (DeepSpeedEngine if args.dist == "deepspeed" else Engine)(args, model, opt, dev, world, local_rank)
+    engine = dict(deepspeed=DeepSpeedEngine, fsdp=FSDPEngine).get(args.dist, Engine)(args, model, opt, dev, world,
+                                                                                     local_rank)
     return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, opt=opt, sched=sched,
                engine=engine, gen=gen, encoder=encoder, vae=vae,
                bad_steps={k: torch.zeros((), device=dev) for k in ("total", "in_a_row", "longest")})
@@ -274,7 +341,8 @@ def start(args):
     run.judged = data.BUILTIN in (args.data, (pre or {}).get("source")) or args.data == data.MIXED  # (it knows these)
     run.buckets = data.bucket_shares(shards, args.image_size, args.patch * (run.vae.factor if run.vae else 1))
     master = run.rank == 0  # only rank 0 prints, logs, samples and writes files
-    run.names = eval.names_set(args.data, args.image_size) if master and not pre else None  # retrieval scores
+    samples = master or run.engine.sharded  # (FSDP: every rank runs the sampling forwards)
+    run.names = eval.names_set(args.data, args.image_size) if samples and not pre else None  # retrieval scores
     run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
@@ -285,6 +353,7 @@ def start(args):
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         write_json(os.path.join(args.out, "args.json"), vars(args))
     (total, active), batch = count_params(run.model), run.world * args.grad_accum * args.batch_size
+    held = held_bytes(run.model.parameters()) / 2 ** 20  # (FSDP: this rank's shards)
     if master:
         print(f"model: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per image token) | text encoder "
               f"{args.text_encoder} (dim {run.encoder.dim}, frozen) | vae {args.vae} | {len(shards)} "
@@ -292,6 +361,8 @@ def start(args):
               + (f" | {run.world} ranks x " + (f"{args.grad_accum} micro-batches x " if args.grad_accum > 1 else "") +
                  f"{args.batch_size} = global batch {batch}" if batch > args.batch_size else "")
               + (f" | each rank holds {args.moe // args.ep} of {args.moe} experts per layer" if args.ep > 1 else "")
+              + (f" | FSDP: each rank holds 1/{run.world} of every weight, here {held:.2f} MB + {2 * held:.2f} MB of "
+                 f"AdamW moments" + (f" + {held:.2f} MB of EMA" if args.ema else "") if run.engine.sharded else "")
               + "".join(f" | bucket {w}x{h}: {n} samples" for (w, h), n in (run.buckets or {}).items()))
     return run
 
@@ -330,11 +401,12 @@ def train_step(run, args, micro_batches, mark=None):
     run.sched.step()
     run.step += 1
     decay = min(args.ema, (1 + run.step) / (10 + run.step))  # short runs: let EMA catch up early
-    with torch.no_grad():  # EMA <- EMA + (1 - decay)(model - EMA), all tensors in one fused op; not on a bad step
-        ema = list(run.ema.parameters())
-        torch._foreach_lerp_(ema, list(run.model.parameters()), [(~bad_step).float() * (1 - decay)] * len(ema))
-        for be, bm in zip(run.ema.buffers(), run.model.buffers()):  # (--balance bias: the EMA routes alike)
-            be.copy_(bm)
+    if args.ema:  # EMA <- EMA + (1 - decay)(model - EMA), not on a bad step (--ema 0: the EMA is the model itself)
+        with torch.no_grad():  # all tensors in one fused op (FSDP: the shards, no communication)
+            ema = list(run.ema.parameters())
+            torch._foreach_lerp_(ema, list(run.model.parameters()), [(~bad_step).float() * (1 - decay)] * len(ema))
+            for be, bm in zip(run.ema.buffers(), run.model.buffers()):  # (--balance bias: the EMA routes alike)
+                be.copy_(bm)
     count_bad_step(run, bad_step)
     mark("optimizer")
     return dict(loss=loss, balance=balance, t=torch.cat(t), per_sample=torch.cat(per_sample), grad_norm=grad_norm,
@@ -440,23 +512,33 @@ def log_step(run, args, out, signals, img_per_s, bar):
 
 
 def save_checkpoint(run, args):
-    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts), the
-    one before kept as ckpt.prev.pt. -> False if an OSError (disk full) stopped it: warned, nothing half-written."""
+    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts, FSDP
+    the shards), the one before kept as ckpt.prev.pt. -> False on every rank if an OSError (disk full) stopped it:
+    warned, nothing half-written."""
     tag = f"step{run.step:06d}" if run.engine.partitioned else None  # DeepSpeed: each rank's optimizer partition
     if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
         run.engine.ds.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
     positions = [dataclasses.asdict(run.position)] * run.world
     if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
         dist.all_gather_object(positions, positions[0])
-    model, ema = (moe.reshard(run.model, m.state_dict(), whole=True) for m in (run.model, run.ema))
-    opt = None if tag else moe.reshard(run.model, run.opt.state_dict(), whole=True)
-    if run.rank != 0:
-        return True
+    model = run.engine.whole_state(run.model.state_dict())
+    ema = run.engine.whole_state(run.ema.state_dict()) if args.ema else model  # (--ema 0: the same tensors, saved once)
+    opt = None if tag else run.engine.whole_state(run.opt.state_dict())
     ckpt = dict(model=model, ema=ema, opt=opt,  # (DeepSpeed: its optimizer state is in its tag folder)
                 deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
                 bad_steps={k: v.cpu() for k, v in run.bad_steps.items()}, data=positions,
                 buckets=run.buckets and list(run.buckets))
+    written = [run.rank != 0 or write_checkpoint(run, args, ckpt, tag)]
+    if run.world > 1:  # (every rank knows whether the run has this checkpoint)
+        dist.broadcast_object_list(written, 0)
+    if written[0]:
+        run.ckpt_step, run.deepspeed_tag = run.step, tag
+    return written[0]
+
+
+def write_checkpoint(run, args, ckpt, tag):
+    """Rank 0: ckpt.pt written atomically, the one before kept as ckpt.prev.pt -> False on an OSError (warned)."""
     prev = os.path.join(args.out, PREV)
     if run.ckpt_step is None and os.path.exists(prev):  # another run's, left in this folder: never a fallback
         os.remove(prev)
@@ -471,7 +553,6 @@ def save_checkpoint(run, args):
         folder = os.path.join(args.out, "deepspeed")
         for old in {d for d in os.listdir(folder) if d.startswith("step")} - {tag, run.deepspeed_tag}:
             shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
-    run.ckpt_step, run.deepspeed_tag = run.step, tag
     return True
 
 
@@ -514,11 +595,11 @@ def load_checkpoint(run, args):
     if len(ckpt["data"]) != run.world or (tag is not None) != run.engine.partitioned:  # (ZeRO's partitions need both)
         raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
                          f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
-    for k in ("model", "ema"):
-        getattr(run, k).load_weights(moe.reshard(run.model, ckpt[k], whole=False), f"{args.out}/{name}")
+    for k in ("model", "ema") if args.ema else ("model",):  # (--ema 0: the EMA is the model)
+        getattr(run, k).load_weights(run.engine.own_state(ckpt[k]), f"{args.out}/{name}")
     run.sched.load_state_dict(ckpt["sched"])
     if tag is None:
-        run.opt.load_state_dict(moe.reshard(run.model, ckpt["opt"], whole=False))
+        run.opt.load_state_dict(run.engine.own_state(ckpt["opt"]))
     else:  # DeepSpeed: weights, fp32 partition, AdamW moments (the lr is the schedule's)
         run.engine.ds.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -537,12 +618,16 @@ def load_checkpoint(run, args):
 
 
 def sample_grid(run, args, ema, final=False):
-    """Rank 0: the whole EMA draws each held-out prompt (or name) once (fixed noise), or at the end --eval-n times."""
+    """Rank 0: the whole EMA draws each held-out prompt (or name) once (fixed noise), or at the end --eval-n times.
+    FSDP: every rank runs the same forwards (each gathers the blocks from all) and rank 0 alone writes and scores."""
+    if run.rank != 0 and not run.engine.sharded:
+        return
+    path = os.path.join(args.out, "samples", "eval.png" if final else f"step_{run.step:06d}.png")
+    scores, fake, _ = sample.score_heldout(ema, run.encoder, run.vae, run.names, path if run.rank == 0 else None,
+                                           args.eval_n if final else 1, args.sample_steps, args.cfg,
+                                           args.seed if final else 1234, args.t_shift, fid=final, judge=run.judged,
+                                           size=run.buckets)
     if run.rank == 0:
-        path = os.path.join(args.out, "samples", "eval.png" if final else f"step_{run.step:06d}.png")
-        scores, fake, _ = sample.score_heldout(ema, run.encoder, run.vae, run.names, path, args.eval_n if final else 1,
-                                               args.sample_steps, args.cfg, args.seed if final else 1234,
-                                               args.t_shift, fid=final, judge=run.judged, size=run.buckets)
         minutes = (time.time() - run.t_start) / 60
         append_json(run.log, {"step": run.step, "eval" if final else "sample_acc": scores, "minutes": minutes})
         if final:
@@ -551,18 +636,18 @@ def sample_grid(run, args, ema, final=False):
 
 
 def final_evaluation(args, run, signals):
-    """Rank 0, after the last checkpoint: every held-out prompt or name --eval-n times, scored. -> exit status."""
+    """Rank 0 (FSDP: all), after the last checkpoint: every held-out prompt or name --eval-n times, scored. -> exit
+    status (the ranks agree: they know whether the last checkpoint was written)."""
     ema = moe.gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
-    if run.rank != 0:
-        return 0
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
         print(f"error: the final checkpoint was not written; the last on disk: step {run.ckpt_step}", file=sys.stderr)
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
-    print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad_steps['total'])}")
+    if run.rank == 0:
+        print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad_steps['total'])}")
     scored = bool(args.eval_n and (run.judged or run.names))  # else nothing to score with: a last grid (and loss.png)
     sample_grid(run, args, ema, final=scored)
-    if args.eval_n and not scored:
+    if args.eval_n and not scored and run.rank == 0:
         print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
     return 0
 
@@ -607,14 +692,19 @@ def end(run, code, error=None):
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:
-        own_experts = moe.ep_sharded_names(run.model)  # (--ep: each rank's own experts differ)
-        flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters() if k not in own_experts])
-        dist.broadcast(ref := flat.clone(), 0)  # (ref: rank 0's)
-        per_rank = [None] * run.world  # (the same weights as rank 0?, optimizer state bytes: ZeRO-2 partitions them)
-        dist.all_gather_object(per_rank, (torch.equal(flat, ref), optimizer_bytes(run.opt)))
+        same = None  # (FSDP: each rank holds other parts of the weights)
+        if not run.engine.sharded:  # the same weights as rank 0? (--ep: each rank's own experts differ)
+            own_experts = moe.ep_sharded_names(run.model)
+            flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters() if k not in own_experts])
+            dist.broadcast(ref := flat.clone(), 0)
+            same = torch.equal(flat, ref)
+        per_rank = [None] * run.world  # with the bytes of weights and optimizer state (ZeRO-2, FSDP: split) it holds
+        dist.all_gather_object(per_rank, (same, held_bytes(run.model.parameters()), optimizer_bytes(run.opt)))
         if run.rank == 0:
-            print(f"parameters identical on all {run.world} ranks: {all(same for same, _ in per_rank)}")
-            print(f"optimizer state bytes per rank: {[n for _, n in per_rank]}")
+            if not run.engine.sharded:
+                print(f"parameters identical on all {run.world} ranks: {all(same for same, _, _ in per_rank)}")
+            print(f"parameter bytes per rank: {[n for _, n, _ in per_rank]}")
+            print(f"optimizer state bytes per rank: {[n for _, _, n in per_rank]}")
     if dist.is_initialized():
         if error and run.rank == 0:
             print(error, file=sys.stderr, flush=True)
@@ -624,9 +714,14 @@ def end(run, code, error=None):
     return run
 
 
+def held_bytes(tensors):
+    """Bytes of these tensors this process holds: of an FSDP shard (a DTensor, numel() its whole's), the local part."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
 def optimizer_bytes(opt):
-    """Bytes of optimizer state this process holds (AdamW: two moments per parameter; ZeRO-2: its partition)."""
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    """Bytes of optimizer state this process holds (AdamW: two moments per parameter; ZeRO-2, FSDP: its share)."""
+    return held_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
 
 
 def leave_distributed(code=0):
