@@ -207,14 +207,13 @@ class FSDPEngine(Engine):
     @staticmethod
     def shard(models, args, dev):
         """Before the optimizer is built: each block, then the rest (embeddings, final layer), of each model."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
         mesh = torch.distributed.device_mesh.init_device_mesh(dev, (dist.get_world_size(),))
-        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16" else {}
-        for i, m in enumerate(models):  # (models[0] trains: bf16 weights gathered, fp32 gradients reduced; the EMA
-            policy = MixedPrecisionPolicy(**bf16 if i == 0 else {}, cast_forward_inputs=False)  # samples in fp32)
+        for m in models:  # bf16: autocast, as in DDP (fp32 weights gathered, bf16 matmuls, fp32 gradients reduced)
             for module in [*m.blocks, m]:  # (the root too: between steps no rank holds anything whole)
-                fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-        models[0].set_reduce_scatter_unused_params(args.moe > 0)  # an expert that got no token: a zero gradient
+                fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        # (--moe: each weight holds all experts stacked, so an expert no token reached on one rank still has its
+        # (zero) rows in a gradient: every rank reduce-scatters the same tensors, and none waits for another)
 
     def micro_batch(self, last):
         """Reduce-scatter in the last micro-batch's backward only; before, the whole gradients accumulate."""
