@@ -3,7 +3,7 @@
     python profile.py compute                        # fwd / bwd / optimizer ms, images/s, peak memory, MFU
     python profile.py compute --moe 8 --trace        # + a torch.profiler Chrome trace
     python profile.py --compare moe=0,8              # each setting in fresh processes, alternating: a ratio table
-    python profile.py --compare dist=ddp,deepspeed   # 2 ranks each: optimizer state per rank
+    python profile.py --compare dist=ddp,deepspeed,fsdp  # 2 ranks each: weights and optimizer state per rank
     python profile.py --compare ep=1,2 --moe 8       # 2 ranks each: experts split, the all-to-all as its own phase
     python profile.py full --compare data=RAW,PRE --vae V --text-cache 0   # online vs precomputed encoders
     python profile.py suite                          # the one-flag comparisons, sized for this device, a table each
@@ -38,6 +38,7 @@ else:  # run as a script, or imported under another name
     import time
 
     import torch
+    import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
     import data
@@ -50,7 +51,8 @@ else:  # run as a script, or imported under another name
 PHASES = ("forward", "backward", "optimizer")
 CLAIMS = ("attn", "moe-impl", "moe", "ep", "compile", "compile-moe", "precision", "full-size", "loader")
 COLUMNS = {"step_ms": ("step ms", ".1f"), "img_per_s": ("img/s", ".0f"), "peak_mem_mb": ("peak MB", ".0f"),
-           "param_mb": ("params MB/rank", ".2f"), "opt_state_mb": ("optimizer state MB/rank", ".2f"),
+           "communication_share": ("communication", ".1%"), "param_mb": ("params MB/rank", ".2f"),
+           "opt_state_mb": ("optimizer state MB/rank", ".2f"),
            "achieved_tflops": ("TFLOP/s", ".3g"), "mfu": ("MFU", ".1%"), "loader_img_per_s": ("loader img/s", ".0f")}
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
@@ -73,7 +75,7 @@ def get_args(argv=None):
     a("--warmup-iters", type=int, default=3, help="untimed steps first")
     a("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     a("--compare", help="FLAG=A,B[,C]: each setting of a train.py flag in fresh processes, then a ratio table; "
-      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,deepspeed, "
+      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,fsdp, "
       "ep=1,2: 2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
     a("--repeats", type=int, help="--compare: runs per setting, alternating (default 3; suite: 2 on a GPU, 1 on CPU)")
     a("--json", help="write the result JSON here (used by --compare)")
@@ -99,9 +101,10 @@ def fixed_batch(args, run):
 
 
 def run_steps(run, args, n, get_batch, times=None):
-    """n training steps of train.py; if `times` is given, append each phase's seconds to it (--ep: the all-to-alls
-    are a phase of their own, taken out of the phase they ran in)."""
-    exchanged = [0.0]  # seconds in moe.exchange since the last mark
+    """n training steps of train.py; if `times` is given, append each phase's seconds to it (--ep's all-to-alls and
+    FSDP's all-gathers and reduce-scatters are a phase of their own, taken out of the phase they ran in)."""
+    exchanged = [0.0]  # seconds in those collectives since the last mark
+    comm = "all_to_all" if args.ep > 1 else "communication" if args.dist == "fsdp" else None
     for _ in range(n):
         last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
@@ -110,8 +113,8 @@ def run_steps(run, args, n, get_batch, times=None):
                 torch.cuda.synchronize()
             now = time.perf_counter()
             step[phase] = step.get(phase, 0.0) + now - last[0] - exchanged[0]
-            if args.ep > 1:
-                step["all_to_all"] = step.get("all_to_all", 0.0) + exchanged[0]
+            if comm:
+                step[comm] = step.get(comm, 0.0) + exchanged[0]
             last[0], exchanged[0] = now, 0.0
         micro_batches = []
         for _ in range(args.grad_accum):
@@ -119,28 +122,38 @@ def run_steps(run, args, n, get_batch, times=None):
             mark("data_wait")
             micro_batches.append(train.encode_batch(run, batch))  # frozen VAE + text encoder, or precomputed
             mark("encoders")
-        with timing_exchanges(exchanged):
+        with timing_exchanges(exchanged, fsdp=args.dist == "fsdp"):
             train.train_step(run, args, micro_batches, mark)
         for phase, sec in step.items() if times is not None else ():
             times.setdefault(phase, []).append(sec)
 
 
 @contextlib.contextmanager
-def timing_exchanges(seconds):
-    """Within it, every moe.exchange (--ep's all-to-alls, both ways) adds its seconds to seconds[0]."""
-    real, sync = moe.exchange, torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+def timing_exchanges(seconds, fsdp=False):
+    """Within it, every moe.exchange (--ep's all-to-alls, both ways) and, with `fsdp`, every all-gather and
+    reduce-scatter FSDP2 issues, adds its seconds to seconds[0] (each waited for: no overlap with compute is left)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    patched = [(moe, "exchange")] + [(dist, "all_gather_single"), (dist, "reduce_scatter_single")] * fsdp
+    reals = [getattr(module, name) for module, name in patched]
 
-    def timed(*a, **k):
-        sync()  # (on a GPU the exchange is asynchronous: time it from an idle device to an idle device)
-        t0 = time.perf_counter()
-        real(*a, **k)
-        sync()
-        seconds[0] += time.perf_counter() - t0
-    moe.exchange = timed
+    def timed(real):
+        def call(*a, **k):
+            sync()  # (on a GPU the exchange is asynchronous: time it from an idle device to an idle device)
+            t0 = time.perf_counter()
+            work = real(*a, **k)
+            if work is not None:  # (FSDP's are issued async_op=True)
+                work.wait()
+            sync()
+            seconds[0] += time.perf_counter() - t0
+            return work
+        return call
+    for (module, name), real in zip(patched, reals):
+        setattr(module, name, timed(real))
     try:
         yield
     finally:
-        moe.exchange = real
+        for (module, name), real in zip(patched, reals):
+            setattr(module, name, real)
 
 
 def measure(args):
@@ -179,8 +192,10 @@ def measure(args):
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
     res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
-    res["param_mb"] = sum(p.numel() * p.element_size() for p in run.model.parameters()) / 2 ** 20  # (--ep: its share)
-    if run.world > 1 and not run.engine.partitioned:  # DDP communication = what the all-reduce adds: the steps without
+    res["param_mb"] = train.held_bytes(run.model.parameters()) / 2 ** 20  # (--ep, FSDP: its share)
+    if run.engine.sharded:  # FSDP: its collectives, timed as a phase
+        res["communication_share"] = res["share"]["communication"]
+    elif run.world > 1 and not run.engine.partitioned:  # DDP's: what its all-reduce adds (the steps without it)
         unsynced = {}
         with run.engine.forward.no_sync():  # (replicas drift apart from here on; nothing is saved)
             run_steps(run, args, args.iters, get_batch, unsynced)
@@ -296,15 +311,19 @@ def print_result(res, times):
 def ratio_table(args, flag, values, runs):
     """Medians per value -> (rows {value: {key: median}}, the table's lines; ratios to the first value)."""
     phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES + ("all_to_all",) * (flag == "ep")
+    phases = () if flag == "dist" else phases  # (FSDP's phases exclude its collectives, DDP's include its all-reduce)
     columns = {f"{k}_ms": (f"{k} ms", ".1f") for k in phases} | {  # result key -> (heading, format); those measured
         k: c for k, c in COLUMNS.items() if runs[values[0]][0].get(k) is not None}
-    # (r.get: a run with --ep 1 has no all_to_all phase)
-    rows = {v: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in columns} for v, rs in runs.items()}
+
+    def median(rs, k):  # (a run with --ep 1 has no all_to_all phase: 0 ms; DeepSpeed's communication is not measured)
+        measured = [r[k] for r in rs if r.get(k) is not None]
+        return statistics.median(measured) if measured else 0.0 if k.endswith("_ms") else None
+    rows = {v: {k: median(rs, k) for k in columns} for v, rs in runs.items()}
     ref = rows[values[0]]
     head = [f"--{flag}"] + [name for name, _ in columns.values()] + [f"step ÷ {values[0]}", f"mem ÷ {values[0]}"]
     lines = []
     for v, row in rows.items():
-        cells = {k: format(row[k], fmt) for k, (_, fmt) in columns.items()}
+        cells = {k: "–" if row[k] is None else format(row[k], fmt) for k, (_, fmt) in columns.items()}
         cells["step_ms"] += " (%.0f–%.0f)" % tuple(f(r["step_ms"] for r in runs[v]) for f in (min, max))  # range
         lines.append([v, *cells.values(), f"{row['step_ms'] / ref['step_ms']:.2f}×",
                       f"{row['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×"])

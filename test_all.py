@@ -1451,31 +1451,48 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
 # distributed (CPU, gloo, 2 ranks forked as torchrun would start them)
 # -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["dense", "moe"])
-def test_ddp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path, model):
+def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path, model):
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
     # times and caption drop are drawn for the global batch on every rank (each keeps its slices);
     # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
     # moe: pictures of 2 aspect ratios, a micro-batch's bucket the same on every rank: = 1 x 2 micro-batches x 8
     sizes = ((16, 16), (24, 12)) if model == "moe" else ((16, 16),)
     flags = TINY + ["--data", identical_shards(tmp_path / "same", sizes=sizes), "--image-size", "16", "--steps", "6",
-                    "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3"]
+                    "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3", "--ema", "0.9"]
     if model == "moe":  # bias balancing: every rank nudges by the loads of the global batch, as one process does
         flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01"]
-    train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")] if model == "dense" else
-               flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
-    said = ranks(["--dist", "ddp", *flags, "--batch-size", "4", "--grad-accum", "2", "--workers", "1", "--out",
-                  str(tmp_path / "two")])
-    assert "parameters identical on all 2 ranks: True" in said
-    assert "2 ranks x 2 micro-batches x 4 = global batch 16" in said
-    assert ("bucket 24x12: 32 samples" in said) == (model == "moe"), said
-    one, two = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "two"))
+    alone = train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")] if model == "dense" else
+                       flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
+    said = {dist: ranks(["--dist", dist, *flags, "--batch-size", "4", "--grad-accum", "2", "--workers", "1", "--out",
+                         str(tmp_path / dist)]) for dist in ("ddp", "fsdp")}
+    assert "parameters identical on all 2 ranks: True" in said["ddp"]
+    assert "2 ranks x 2 micro-batches x 4 = global batch 16" in said["ddp"]
+    assert ("bucket 24x12: 32 samples" in said["ddp"]) == (model == "moe"), said
+    one, two, fsdp = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "ddp", "fsdp"))
     init = tiny_model(image_size=16, width=32, text_dim=384, moe=4 * (model == "moe")).state_dict()
     for name in one["model"]:
         assert torch.allclose(one["model"][name], two["model"][name], atol=1e-5, rtol=1e-4), name
     assert any(not torch.equal(one["model"][k], init[k]) for k in init)  # it did train
-    logs = [[json.loads(l)["loss"] for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("one", "two")]
-    assert len(logs[0]) == len(logs[1]) == 6
-    assert all(abs(a - b) < 1e-4 for a, b in zip(*logs))  # the logged loss is the global batch's
+    logs = {d: [json.loads(l) for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l] for d in ("one", "ddp",
+                                                                                                     "fsdp")}
+    assert len(logs["one"]) == len(logs["ddp"]) == len(logs["fsdp"]) == 6
+    assert all(abs(a["loss"] - b["loss"]) < 1e-4 for a, b in zip(logs["one"], logs["ddp"]))  # the global batch's
+    # FSDP: the same sums as DDP's in another order (reduce-scatter, not all-reduce): equal to float rounding
+    for a, b in zip(logs["ddp"], logs["fsdp"]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-6 * max(1, abs(a[key])), (key, a, b)
+    for part in ("model", "ema"):  # gathered whole into ckpt.pt; the EMA, updated shard by shard, is DDP's
+        for name in two[part]:
+            assert torch.allclose(two[part][name], fsdp[part][name], atol=1e-6, rtol=1e-5), (part, name)
+    assert not torch.equal(fsdp["ema"]["final.bias"], fsdp["model"]["final.bias"])  # (--ema 0.9: a copy of its own)
+    # each rank holds about half of every weight and of its AdamW moments
+    held = {k: json.loads(said["fsdp"].split(f"{k} bytes per rank: ")[1].splitlines()[0])
+            for k in ("parameter", "optimizer state")}
+    whole = {"parameter": train.held_bytes(alone.model.parameters()),
+             "optimizer state": train.optimizer_bytes(alone.opt)}
+    for k in held:
+        assert all(0.4 < b / whole[k] <= 0.55 for b in held[k]), (held, whole)
+    assert f"FSDP: each rank holds 1/2 of every weight, here {held['parameter'][0] / 2 ** 20:.2f} MB" in said["fsdp"]
 
 
 def ep_layer_worker(rank, port, world=4):
@@ -1585,6 +1602,77 @@ def test_expert_parallel_resumes_exactly_and_under_another_ep(ep_runs):
             assert torch.allclose(ep2[part][name], again1[part][name], atol=2e-3), (part, name)  # --ep 1, grouped
     for i, st in ep2["opt"]["state"].items():  # the moments too: whole in the checkpoint, re-split on resume
         assert all(torch.equal(st[k], again2["opt"]["state"][i][k]) for k in st)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """--moe 4 and --ema 0.9 on 2 ranks, 4 steps, checkpoints and grids at steps 2 and 4: under DDP and under FSDP;
+    FSDP resumed from its own step-2 checkpoint; and across engines: DDP from FSDP's step 2, FSDP from DDP's."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    flags = TINY + ["--data", identical_shards(tmp / "same"), "--image-size", "16", "--moe", "4", "--ema", "0.9",
+                    "--steps", "4", "--lr", "2e-2", "--warmup", "2", "--ckpt-every", "2", "--sample-every", "2",
+                    "--batch-size", "4", "--workers", "1"]
+    said = {d: ranks(flags + ["--dist", d, "--out", str(tmp / d)]) for d in ("ddp", "fsdp")}
+    for out, dist, source in (("again", "fsdp", "fsdp"), ("to_ddp", "ddp", "fsdp"), ("to_fsdp", "fsdp", "ddp")):
+        os.makedirs(tmp / out)
+        shutil.copy(tmp / source / "ckpt.prev.pt", tmp / out / "ckpt.pt")  # (step 2)
+        said[out] = ranks(flags + ["--dist", dist, "--out", str(tmp / out), "--resume"])
+    return tmp, said
+
+
+@pytest.mark.xdist_group("fsdp_runs")
+def test_fsdp_resumes_exactly_and_its_checkpoints_cross_to_ddp_and_back(fsdp_runs):
+    tmp, said = fsdp_runs
+    runs = ("ddp", "fsdp", "again", "to_ddp", "to_fsdp")
+    ckpt = {d: torch.load(tmp / d / "ckpt.pt", weights_only=True) for d in runs}
+    assert all(c["step"] == 4 for c in ckpt.values())
+    assert all(f"resumed from {tmp}/{d}/ckpt.pt at step 2" in said[d] for d in runs[2:])
+    for part in ("model", "ema"):
+        for name in ckpt["ddp"][part]:
+            assert torch.equal(ckpt["fsdp"][part][name], ckpt["again"][part][name]), (part, name)  # bit for bit
+            for a, b in (("ddp", "fsdp"), ("ddp", "to_ddp"), ("fsdp", "to_fsdp")):  # (float rounding apart)
+                assert torch.allclose(ckpt[a][part][name], ckpt[b][part][name], atol=1e-5, rtol=1e-4), (a, b, name)
+    moments = lambda c: [v for i in sorted(c["opt"]["state"]) for v in c["opt"]["state"][i].values()]
+    assert all(torch.equal(a, b) for a, b in zip(moments(ckpt["fsdp"]), moments(ckpt["again"])))
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(moments(ckpt["ddp"]), moments(ckpt["fsdp"])))
+    assert {"step_000002.png", "step_000004.png"} <= set(os.listdir(tmp / "fsdp" / "samples"))  # every rank drew
+    grids = [np.asarray(Image.open(tmp / d / "samples" / "step_000002.png")) for d in ("ddp", "fsdp")]
+    assert np.abs(grids[0].astype(int) - grids[1].astype(int)).max() <= 1  # the sharded EMA samples as DDP's does
+
+
+def fsdp_moe_worker(rank, port, world=2):
+    """One of 2 gloo ranks: a DiT with --moe 4 under FSDP, where rank 1's routing bias keeps every token from experts 2
+    and 3 (rank 0's routes to all), against the same model in one process: the mean of the two halves' losses."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    model = tiny_model(moe=4, balance="bias")
+    layers = lambda model: [m for m in model.modules() if isinstance(m, moe.MoE)]
+    for m in layers(model):
+        torch.nn.init.normal_(m.w2, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2 * world, 3, 16, 16, generator=g), torch.rand(2 * world, generator=g)
+    text, mask = torch.randn(2 * world, 5, 24, generator=g), torch.ones(2 * world, 5, dtype=torch.bool)
+
+    def loss(model, r, avoid):  # of rank r's 2 samples; avoid: a routing bias keeps every token from experts 2, 3
+        for m in layers(model):
+            m.bias.zero_()[2:] = -10.0 * avoid
+        mine = slice(2 * r, 2 * r + 2)
+        return (model(x[mine], t[mine], text[mine], mask[mine]) ** 2).mean()
+    one = copy.deepcopy(model)
+    ((loss(one, 0, False) + loss(one, 1, True)) / 2).backward()
+    train.FSDPEngine.shard([model], train.get_args(["--moe", "4"]), "cpu")
+    loss(model, rank, rank == 1).backward()  # (a rank waiting for a gradient the other never makes: a hang)
+    used = set(torch.cat([m.stats["idx"].flatten() for m in layers(model)]).tolist())
+    assert (used & {2, 3} == set()) == (rank == 1), used
+    for name, p in model.named_parameters():  # each rank's shard of the gradient: the whole batch's, as one process
+        assert torch.allclose(p.grad.full_tensor(), one.get_parameter(name).grad, atol=1e-6), name
+    torch.distributed.destroy_process_group()
+
+
+def test_fsdp_moe_step_completes_where_a_rank_s_experts_get_no_token():
+    how = "fork" if sys.platform == "linux" else "spawn"
+    torch.multiprocessing.start_processes(fsdp_moe_worker, args=(free_port(),), nprocs=2, start_method=how)
 
 
 def test_profile_compares_world_sizes_with_communication_share(tmp_path):
