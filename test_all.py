@@ -950,6 +950,29 @@ def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_dr
     assert any(not torch.equal(e, m) for e, m in zip(S.ema.parameters(), S.model.parameters()))
 
 
+def test_ema_0_keeps_no_copy_and_override_ema_starts_one_from_the_weights_or_drops_it(tmp_path, monkeypatch):
+    flags = TINY + ["--image-size", "16", "--steps", "2", "--warmup", "2"]
+    runs = {ema: train.main(flags + ["--ema", ema, "--out", str(tmp_path / ema)]) for ema in ("0", "0.9")}
+    assert runs["0"].ema is runs["0"].model and runs["0.9"].ema is not runs["0.9"].model
+    size = {ema: os.path.getsize(tmp_path / ema / "ckpt.pt") for ema in runs}
+    weights = train.held_bytes(runs["0"].model.parameters())
+    assert abs(size["0.9"] - size["0"] - weights) < 0.05 * weights, (size, weights)  # --ema 0: its weights saved once
+    before = {ema: torch.load(tmp_path / ema / "ckpt.pt", weights_only=True) for ema in runs}
+    starts, real = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda S, *a: starts.append(
+        [copy.deepcopy(m.state_dict()) for m in (S.model, S.ema)]) or real(S, *a))
+    for ema, now in (("0", "0.9"), ("0.9", "0")):  # resumed with the other --ema: each starts from the trained weights
+        train.main(flags + ["--steps", "3", "--ema", now, "--override", "ema,steps", "--out", str(tmp_path / ema),
+                            "--resume"])
+        model, ema_weights = starts[-1]
+        assert all(torch.equal(v, before[ema]["model"][k]) for k, v in model.items())
+        assert all(torch.equal(v, before[ema]["model"][k]) for k, v in ema_weights.items())
+    after = torch.load(tmp_path / "0" / "ckpt.pt", weights_only=True)  # the EMA from there: one step of decay 4/13
+    for k, m2 in before["0"]["model"].items():
+        assert torch.allclose(after["ema"][k], m2 + (1 - 4 / 13) * (after["model"][k] - m2), atol=1e-6), k
+    assert any(not torch.equal(after["ema"][k], after["model"][k]) for k in after["model"])
+
+
 def test_atomic_write_never_leaves_a_torn_file_and_keeps_the_previous_one(tmp_path, monkeypatch):
     path, keep = str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt.prev.pt")
     synced, real_fsync = [], os.fsync
@@ -975,7 +998,8 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
         train.main(flags + ["--width", "64", "--resume"])
     path = os.path.join(out, "ckpt.pt")
     ckpt = torch.load(path, weights_only=True)
-    old = dict(ckpt, ema={k.replace("adaln", "ada"): v for k, v in ckpt["ema"].items()})  # an older model.py's names
+    old = {k: {n.replace("adaln", "ada"): v for n, v in ckpt[k].items()} for k in ("model", "ema")}  # an older
+    old = dict(ckpt, **old)  # model.py's names
     torch.save(old, path)
     for load in (lambda: train.main(flags + ["--resume"]), lambda: sample.load(path)):
         with pytest.raises(SystemExit, match="written by another version of model.py .tensors blocks.0.c.ada.bias"):
