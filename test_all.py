@@ -888,7 +888,7 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
                                        (["--width", "30", "--heads", "4"], "multiple of 4"),
                                        (["--resume", "--out", "/nonexistent"], "drop --resume"),
                                        (["--dist", "ddp"], "needs a launcher: torchrun"),
-                                       (["--moe", "4", "--ep", "2"], "--ep 2 needs --dist ddp (not deepspeed)")])
+                                       (["--moe", "4", "--ep", "2"], "--ep 2 needs --dist ddp (not deepspeed or fsdp)")])
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
