@@ -100,11 +100,11 @@ def fixed_batch(args, run):
     return dict(image=torch.stack(imgs), caption=caps)
 
 
-def run_steps(run, args, n, get_batch, times=None):
-    """n training steps of train.py; if `times` is given, append each phase's seconds to it (--ep's all-to-alls and
-    FSDP's all-gathers and reduce-scatters are a phase of their own, taken out of the phase they ran in)."""
+def run_steps(run, args, n, get_batch, times=None, collectives=False):
+    """n training steps of train.py; if `times` is given, append each phase's seconds to it (--ep's all-to-alls and,
+    with `collectives`, FSDP's all-gathers and reduce-scatters: a phase of their own, out of the phase they ran in)."""
     exchanged = [0.0]  # seconds in those collectives since the last mark
-    comm = "all_to_all" if args.ep > 1 else "communication" if args.dist == "fsdp" else None
+    comm = "all_to_all" if args.ep > 1 else "communication" if collectives else None
     for _ in range(n):
         last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
@@ -122,7 +122,7 @@ def run_steps(run, args, n, get_batch, times=None):
             mark("data_wait")
             micro_batches.append(train.encode_batch(run, batch))  # frozen VAE + text encoder, or precomputed
             mark("encoders")
-        with timing_exchanges(exchanged, fsdp=args.dist == "fsdp"):
+        with timing_exchanges(exchanged, fsdp=collectives):
             train.train_step(run, args, micro_batches, mark)
         for phase, sec in step.items() if times is not None else ():
             times.setdefault(phase, []).append(sec)
@@ -193,8 +193,11 @@ def measure(args):
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
     res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
     res["param_mb"] = train.held_bytes(run.model.parameters()) / 2 ** 20  # (--ep, FSDP: its share)
-    if run.engine.sharded:  # FSDP: its collectives, timed as a phase
-        res["communication_share"] = res["share"]["communication"]
+    if run.engine.sharded:  # FSDP: more steps, each collective waited for and timed (so none overlaps compute)
+        timed = {}
+        run_steps(run, args, args.iters, get_batch, timed, collectives=True)
+        res["communication_ms"] = 1e3 * statistics.median(timed["communication"])
+        res["communication_share"] = sum(timed["communication"]) / sum(sum(v) for v in timed.values())
     elif run.world > 1 and not run.engine.partitioned:  # DDP's: what its all-reduce adds (the steps without it)
         unsynced = {}
         with run.engine.forward.no_sync():  # (replicas drift apart from here on; nothing is saved)

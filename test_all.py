@@ -888,7 +888,7 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
                                        (["--width", "30", "--heads", "4"], "multiple of 4"),
                                        (["--resume", "--out", "/nonexistent"], "drop --resume"),
                                        (["--dist", "ddp"], "needs a launcher: torchrun"),
-                                       (["--moe", "4", "--ep", "2"], "--ep 2 needs --dist ddp (not deepspeed or fsdp)")])
+                                       (["--moe", "4", "--ep", "2"], "needs --dist ddp (not deepspeed or fsdp)")])
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
@@ -1685,7 +1685,7 @@ def fsdp_moe_worker(rank, port, world=2):
         return (model(x[mine], t[mine], text[mine], mask[mine]) ** 2).mean()
     one = copy.deepcopy(model)
     ((loss(one, 0, False) + loss(one, 1, True)) / 2).backward()
-    train.FSDPEngine.shard([model], train.get_args(["--moe", "4"]), "cpu")
+    train.FSDPEngine.shard([model], "cpu")
     loss(model, rank, rank == 1).backward()  # (a rank waiting for a gradient the other never makes: a hang)
     used = set(torch.cat([m.stats["idx"].flatten() for m in layers(model)]).tolist())
     assert (used & {2, 3} == set()) == (rank == 1), used

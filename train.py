@@ -205,7 +205,7 @@ class FSDPEngine(Engine):
     sharded = True
 
     @staticmethod
-    def shard(models, args, dev):
+    def shard(models, dev):
         """Before the optimizer is built: each block, then the rest (embeddings, final layer), of each model."""
         from torch.distributed.fsdp import fully_shard
         mesh = torch.distributed.device_mesh.init_device_mesh(dev, (dist.get_world_size(),))
@@ -249,7 +249,7 @@ class FSDPEngine(Engine):
 class Run:
     """Everything a training run holds. setup() builds the first block; the rest changes as it trains."""
     dev: str                       # "cuda" (this rank's GPU) or "cpu"
-    rank: int                      # this process; rank 0 prints, logs, samples and writes the files
+    rank: int                      # this process; rank 0 prints, logs, scores samples and writes the files
     world: int                     # processes in the run
     config: dict                   # DiT(**config): saved, so sample.py rebuilds the model without the flags
     model: torch.nn.Module         # the weights being trained
@@ -308,7 +308,7 @@ def setup(args, shape=None):
     copies = [model, ema] if args.ema else [model]
     moe.shard_experts(copies, args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
     if args.dist == "fsdp":  # each rank keeps 1 / world of every weight, so of its gradient and AdamW state
-        FSDPEngine.shard(copies, args, dev)
+        FSDPEngine.shard(copies, dev)
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
@@ -339,9 +339,9 @@ def start(args):
     run.shards, run.t_start = shards, time.time()
     run.judged = data.BUILTIN in (args.data, (pre or {}).get("source")) or args.data == data.MIXED  # (it knows these)
     run.buckets = data.bucket_shares(shards, args.image_size, args.patch * (run.vae.factor if run.vae else 1))
-    master = run.rank == 0  # only rank 0 prints, logs, samples and writes files
-    samples = master or run.engine.sharded  # (FSDP: every rank runs the sampling forwards)
-    run.names = eval.names_set(args.data, args.image_size) if samples and not pre else None  # retrieval scores
+    master = run.rank == 0  # only rank 0 prints, logs, scores samples and writes files
+    draws = master or run.engine.sharded  # (FSDP: every rank runs the sampling forwards)
+    run.names = eval.names_set(args.data, args.image_size) if draws and not pre else None  # retrieval scores
     run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
@@ -466,7 +466,7 @@ def main(argv=None):
             if run.rank == 0 and not code:  # (how long it took: the warning a run of this size needs)
                 print(f"caught {name}: checkpoint written at step {run.step} in {time.time() - t0:.1f} s (--resume)")
         else:
-            code = final_evaluation(args, run, signals)    # rank 0: every held-out prompt or name, scored
+            code = final_evaluation(args, run, signals)    # every held-out prompt or name, scored
         return end(run, code)
     except Interrupted as e:  # start-up, final samples, or a second signal: leave now, nothing half-written
         signum = e.args[0]
@@ -510,32 +510,6 @@ def log_step(run, args, out, signals, img_per_s, bar):
     return stop > 0
 
 
-def save_checkpoint(run, args):
-    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts, FSDP
-    the shards), the one before kept as ckpt.prev.pt. -> False on every rank if an OSError (disk full) stopped it:
-    warned, nothing half-written."""
-    tag = f"step{run.step:06d}" if run.engine.partitioned else None  # DeepSpeed: each rank's optimizer partition
-    if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
-        run.engine.ds.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
-    positions = [dataclasses.asdict(run.position)] * run.world
-    if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
-        dist.all_gather_object(positions, positions[0])
-    model = run.engine.whole_state(run.model.state_dict())
-    ema = run.engine.whole_state(run.ema.state_dict()) if args.ema else model  # (--ema 0: the same tensors, saved once)
-    opt = None if tag else run.engine.whole_state(run.opt.state_dict())
-    ckpt = dict(model=model, ema=ema, opt=opt,  # (DeepSpeed: its optimizer state is in its tag folder)
-                deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
-                rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
-                bad_steps={k: v.cpu() for k, v in run.bad_steps.items()}, data=positions,
-                buckets=run.buckets and list(run.buckets))
-    written = [run.rank != 0 or write_checkpoint(run, args, ckpt, tag)]
-    if run.world > 1:  # (every rank knows whether the run has this checkpoint)
-        dist.broadcast_object_list(written, 0)
-    if written[0]:
-        run.ckpt_step, run.deepspeed_tag = run.step, tag
-    return written[0]
-
-
 def write_checkpoint(run, args, ckpt, tag):
     """Rank 0: ckpt.pt written atomically, the one before kept as ckpt.prev.pt -> False on an OSError (warned)."""
     prev = os.path.join(args.out, PREV)
@@ -555,13 +529,43 @@ def write_checkpoint(run, args, ckpt, tag):
     return True
 
 
-def read_checkpoint(out, dev, rank=0):
+def save_checkpoint(run, args):
+    """Every rank calls it; rank 0 writes <out>/ckpt.pt atomically (the whole model: --ep gathers the experts, FSDP
+    the shards), the one before kept as ckpt.prev.pt. -> False on every rank if an OSError (disk full) stopped it:
+    warned, nothing half-written."""
+    tag = f"step{run.step:06d}" if run.engine.partitioned else None  # DeepSpeed: each rank's optimizer partition
+    if tag:  # goes to <out>/deepspeed/<tag> first (an OSError there ends the run; the last ckpt.pt stands)
+        run.engine.ds.save_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag, save_latest=False)
+    positions = [dataclasses.asdict(run.position)] * run.world
+    if run.world > 1:  # (after every partition is on disk: ckpt.pt names only complete tags)
+        dist.all_gather_object(positions, positions[0])
+    model = run.engine.whole_state(run.model.state_dict())
+    ema = run.engine.whole_state(run.ema.state_dict()) if args.ema else model  # (--ema 0: the same tensors, saved once)
+    opt = None if tag else run.engine.whole_state(run.opt.state_dict())
+    ckpt = dict(model=model, ema=ema, opt=opt,  # (DeepSpeed: its optimizer state is in its tag folder)
+                deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
+                rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
+                bad_steps={k: v.cpu() for k, v in run.bad_steps.items()}, data=positions,
+                buckets=run.buckets and list(run.buckets))
+    written = [False]
+    try:
+        written[0] = run.rank != 0 or write_checkpoint(run, args, ckpt, tag)
+    finally:  # (every rank knows whether the run has this checkpoint; none waits for a rank 0 that raised)
+        if run.world > 1:
+            dist.broadcast_object_list(written, 0)
+    if written[0]:
+        run.ckpt_step, run.deepspeed_tag = run.step, tag
+    return written[0]
+
+
+def read_checkpoint(out, rank=0):
     """-> (name, checkpoint): ckpt.pt, else ckpt.prev.pt; rank 0 renames an unreadable ckpt.pt to ckpt.bad.pt, so it
-    never becomes the previous one (every rank reads the same: rank 0 renames only after it failed to read)."""
+    never becomes the previous one (every rank reads the same: rank 0 renames only after it failed to read). Mapped
+    from the file, not read: a tensor reaches the device (FSDP: its shard) only as it is loaded into its place."""
     errors = []
     for name in (CKPT, PREV):
         try:
-            ckpt = torch.load(os.path.join(out, name), map_location=dev, weights_only=True)
+            ckpt = torch.load(os.path.join(out, name), map_location="cpu", mmap=True, weights_only=True)
             if not isinstance(ckpt, dict) or not {"model", "step", "args", "data"} <= set(ckpt):
                 raise ValueError("not a train.py checkpoint")
         except Exception as e:  # torch.load raises many kinds on a damaged file
@@ -578,7 +582,7 @@ def read_checkpoint(out, dev, rank=0):
 
 def load_checkpoint(run, args):
     """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
-    name, ckpt = read_checkpoint(args.out, run.dev, run.rank)
+    name, ckpt = read_checkpoint(args.out, run.rank)
     changed = {k: (v, getattr(args, k)) for k in TRAJECTORY if (v := ckpt["args"].get(k)) != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in args.override}
     if refused:
@@ -639,7 +643,9 @@ def final_evaluation(args, run, signals):
     status (the ranks agree: they know whether the last checkpoint was written)."""
     ema = moe.gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
-        print(f"error: the final checkpoint was not written; the last on disk: step {run.ckpt_step}", file=sys.stderr)
+        if run.rank == 0:
+            print(f"error: the final checkpoint was not written; the last on disk: step {run.ckpt_step}",
+                  file=sys.stderr)
         return 1
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     if run.rank == 0:
