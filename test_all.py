@@ -205,6 +205,18 @@ def forked_ranks(flags, n=2, timeout=300):
     return [codes[pid] for pid in pids], "".join(f.read() for f in logs)
 
 
+def worker_ranks(worker, n, timeout=120):
+    """worker(rank, port) on n processes; a worker's exception fails the test, and so does a hang (at `timeout`)."""
+    how = "fork" if sys.platform == "linux" else "spawn"  # (spawned, each would import torch and this file again)
+    ranks = torch.multiprocessing.start_processes(worker, args=(free_port(),), nprocs=n, start_method=how, join=False)
+    deadline = time.time() + timeout
+    while not ranks.join(timeout=0.5):  # (raises what a worker raised)
+        if time.time() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"{worker.__name__}: not done after {timeout} s (a collective waiting for a rank?)")
+
+
 def ranks(flags, n=2):
     """forked_ranks, which must all exit 0 -> every rank's output."""
     codes, said = forked_ranks(flags, n)
@@ -1481,10 +1493,11 @@ def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_sam
     # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
     # moe: pictures of 2 aspect ratios, a micro-batch's bucket the same on every rank: = 1 x 2 micro-batches x 8
     sizes = ((16, 16), (24, 12)) if model == "moe" else ((16, 16),)
+    # dense: --ema 0, so FSDP's last grid is drawn by the trained weights, sharded
     flags = TINY + ["--data", identical_shards(tmp_path / "same", sizes=sizes), "--image-size", "16", "--steps", "6",
-                    "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3", "--ema", "0.9"]
+                    "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3"]
     if model == "moe":  # bias balancing: every rank nudges by the loads of the global batch, as one process does
-        flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01"]
+        flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01", "--ema", "0.9"]
     alone = train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")] if model == "dense" else
                        flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
     said = {dist: ranks(["--dist", dist, *flags, "--batch-size", "4", "--grad-accum", "2", "--workers", "1", "--out",
@@ -1508,7 +1521,8 @@ def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_sam
     for part in ("model", "ema"):  # gathered whole into ckpt.pt; the EMA, updated shard by shard, is DDP's
         for name in two[part]:
             assert torch.allclose(two[part][name], fsdp[part][name], atol=1e-6, rtol=1e-5), (part, name)
-    assert not torch.equal(fsdp["ema"]["final.bias"], fsdp["model"]["final.bias"])  # (--ema 0.9: a copy of its own)
+    assert torch.equal(fsdp["ema"]["final.bias"], fsdp["model"]["final.bias"]) == (model == "dense")  # (--ema 0.9)
+    assert os.path.exists(tmp_path / "fsdp" / "samples" / "step_000006.png")  # the last grid: every rank drew
     # each rank holds about half of every weight and of its AdamW moments
     held = {k: json.loads(said["fsdp"].split(f"{k} bytes per rank: ")[1].splitlines()[0])
             for k in ("parameter", "optimizer state")}
@@ -1569,8 +1583,7 @@ def test_expert_parallel_layer_equals_the_whole_layer_in_one_process():
     """4 ranks, --ep 2: each holds 2 of 4 experts, rows travel by all-to-all both ways, each expert's gradient is
     summed over its 2 copies: the outputs, the input gradients and every parameter's gradient are the one-process
     layer's, sorted and grouped, also where a rank's experts get no row."""
-    how = "fork" if sys.platform == "linux" else "spawn"  # (spawned, each would import torch and this file again)
-    torch.multiprocessing.start_processes(ep_layer_worker, args=(free_port(),), nprocs=4, start_method=how)
+    worker_ranks(ep_layer_worker, 4)
 
 
 @pytest.fixture(scope="module")
@@ -1630,12 +1643,12 @@ def test_expert_parallel_resumes_exactly_and_under_another_ep(ep_runs):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """--moe 4 and --ema 0.9 on 2 ranks, 4 steps, checkpoints and grids at steps 2 and 4: under DDP and under FSDP;
+    """--moe 4, --ema 0.9, --grad-ckpt on 2 ranks, 4 steps, checkpoints and grids at steps 2 and 4: DDP and FSDP;
     FSDP resumed from its own step-2 checkpoint; and across engines: DDP from FSDP's step 2, FSDP from DDP's."""
     tmp = tmp_path_factory.mktemp("fsdp")
     flags = TINY + ["--data", identical_shards(tmp / "same"), "--image-size", "16", "--moe", "4", "--ema", "0.9",
                     "--steps", "4", "--lr", "2e-2", "--warmup", "2", "--ckpt-every", "2", "--sample-every", "2",
-                    "--batch-size", "4", "--workers", "1"]
+                    "--batch-size", "4", "--workers", "1", "--grad-ckpt"]
     said = {d: ranks(flags + ["--dist", d, "--out", str(tmp / d)]) for d in ("ddp", "fsdp")}
     for out, dist, source in (("again", "fsdp", "fsdp"), ("to_ddp", "ddp", "fsdp"), ("to_fsdp", "fsdp", "ddp")):
         os.makedirs(tmp / out)
@@ -1695,8 +1708,7 @@ def fsdp_moe_worker(rank, port, world=2):
 
 
 def test_fsdp_moe_step_completes_where_a_rank_s_experts_get_no_token():
-    how = "fork" if sys.platform == "linux" else "spawn"
-    torch.multiprocessing.start_processes(fsdp_moe_worker, args=(free_port(),), nprocs=2, start_method=how)
+    worker_ranks(fsdp_moe_worker, 2)
 
 
 def test_profile_compares_world_sizes_with_communication_share(tmp_path):
