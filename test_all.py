@@ -1486,22 +1486,46 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
 # -----------------------------------------------------------------------------------------------
 # distributed (CPU, gloo, 2 ranks forked as torchrun would start them)
 # -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model", ["dense", "moe"])
-def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path, model):
+def two_rank_runs(tmp, model):
+    """One process, then DDP and FSDP on 2 ranks with the same global batch -> (what the ranks said, the one-process
+    run). moe: also checkpoints and grids at step 3, and from there FSDP resumed from its own checkpoint ("again"),
+    and across engines: DDP from FSDP's ("to_ddp"), FSDP from DDP's ("to_fsdp")."""
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
     # times and caption drop are drawn for the global batch on every rank (each keeps its slices);
     # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
     # moe: pictures of 2 aspect ratios, a micro-batch's bucket the same on every rank: = 1 x 2 micro-batches x 8
     sizes = ((16, 16), (24, 12)) if model == "moe" else ((16, 16),)
     # dense: --ema 0, so FSDP's last grid is drawn by the trained weights, sharded
-    flags = TINY + ["--data", identical_shards(tmp_path / "same", sizes=sizes), "--image-size", "16", "--steps", "6",
+    flags = TINY + ["--data", identical_shards(tmp / "same", sizes=sizes), "--image-size", "16", "--steps", "6",
                     "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3"]
     if model == "moe":  # bias balancing: every rank nudges by the loads of the global batch, as one process does
-        flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01", "--ema", "0.9"]
-    alone = train.main(flags + ["--batch-size", "16", "--out", str(tmp_path / "one")] if model == "dense" else
-                       flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp_path / "one")])
-    said = {dist: ranks(["--dist", dist, *flags, "--batch-size", "4", "--grad-accum", "2", "--workers", "1", "--out",
-                         str(tmp_path / dist)]) for dist in ("ddp", "fsdp")}
+        flags += ["--moe", "4", "--balance", "bias", "--bias-rate", "0.01", "--ema", "0.9", "--ckpt-every", "3",
+                  "--sample-every", "3", "--grad-ckpt"]
+    alone = train.main(flags + ["--batch-size", "16", "--out", str(tmp / "one")] if model == "dense" else
+                       flags + ["--batch-size", "8", "--grad-accum", "2", "--out", str(tmp / "one")])
+    two = flags + ["--batch-size", "4", "--grad-accum", "2", "--workers", "1"]
+    said = {dist: ranks(two + ["--dist", dist, "--out", str(tmp / dist)]) for dist in ("ddp", "fsdp")}
+    if model == "moe":
+        for out, dist, source in (("again", "fsdp", "fsdp"), ("to_ddp", "ddp", "fsdp"), ("to_fsdp", "fsdp", "ddp")):
+            os.makedirs(tmp / out)
+            shutil.copy(tmp / source / "ckpt.prev.pt", tmp / out / "ckpt.pt")  # (step 3)
+            said[out] = ranks(two + ["--dist", dist, "--out", str(tmp / out), "--resume"])
+    return said, alone
+
+
+@pytest.fixture(scope="module")
+def moe_two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_two_ranks")
+    return tmp, *two_rank_runs(tmp, "moe")
+
+
+@pytest.mark.parametrize("model", ["dense", pytest.param("moe", marks=pytest.mark.xdist_group("moe_two_ranks"))])
+def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_same_global_batch(tmp_path, model,
+                                                                                                request):
+    if model == "moe":
+        tmp_path, said, alone = request.getfixturevalue("moe_two_ranks")
+    else:
+        said, alone = two_rank_runs(tmp_path, model)
     assert "parameters identical on all 2 ranks: True" in said["ddp"]
     assert "2 ranks x 2 micro-batches x 4 = global batch 16" in said["ddp"]
     assert ("bucket 24x12: 32 samples" in said["ddp"]) == (model == "moe"), said
@@ -1522,8 +1546,9 @@ def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_sam
         for name in two[part]:
             assert torch.allclose(two[part][name], fsdp[part][name], atol=1e-6, rtol=1e-5), (part, name)
     assert torch.equal(fsdp["ema"]["final.bias"], fsdp["model"]["final.bias"]) == (model == "dense")  # (--ema 0.9)
-    grids = ["step_000006.png"] if model == "dense" else ["step_000006_16x16.png", "step_000006_24x12.png"]
-    assert sorted(os.listdir(tmp_path / "fsdp" / "samples")) == grids  # the last grid (a bucket each): every rank drew
+    grids = ["step_000006.png"] if model == "dense" else [f"step_00000{step}_{size}.png" for step in (3, 6)
+                                                          for size in ("16x16", "24x12")]
+    assert sorted(os.listdir(tmp_path / "fsdp" / "samples")) == grids  # (a bucket each): every rank drew
     # each rank holds about half of every weight and of its AdamW moments
     held = {k: json.loads(said["fsdp"].split(f"{k} bytes per rank: ")[1].splitlines()[0])
             for k in ("parameter", "optimizer state")}
@@ -1642,39 +1667,22 @@ def test_expert_parallel_resumes_exactly_and_under_another_ep(ep_runs):
         assert all(torch.equal(st[k], again2["opt"]["state"][i][k]) for k in st)
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    """--moe 4, --ema 0.9, --grad-ckpt on 2 ranks, 4 steps, checkpoints and grids at steps 2 and 4: DDP and FSDP;
-    FSDP resumed from its own step-2 checkpoint; and across engines: DDP from FSDP's step 2, FSDP from DDP's."""
-    tmp = tmp_path_factory.mktemp("fsdp")
-    flags = TINY + ["--data", identical_shards(tmp / "same"), "--image-size", "16", "--moe", "4", "--ema", "0.9",
-                    "--steps", "4", "--lr", "2e-2", "--warmup", "2", "--ckpt-every", "2", "--sample-every", "2",
-                    "--batch-size", "4", "--workers", "1", "--grad-ckpt"]
-    said = {d: ranks(flags + ["--dist", d, "--out", str(tmp / d)]) for d in ("ddp", "fsdp")}
-    for out, dist, source in (("again", "fsdp", "fsdp"), ("to_ddp", "ddp", "fsdp"), ("to_fsdp", "fsdp", "ddp")):
-        os.makedirs(tmp / out)
-        shutil.copy(tmp / source / "ckpt.prev.pt", tmp / out / "ckpt.pt")  # (step 2)
-        said[out] = ranks(flags + ["--dist", dist, "--out", str(tmp / out), "--resume"])
-    return tmp, said
-
-
-@pytest.mark.xdist_group("fsdp_runs")
-def test_fsdp_resumes_exactly_and_its_checkpoints_cross_to_ddp_and_back(fsdp_runs):
-    tmp, said = fsdp_runs
+@pytest.mark.xdist_group("moe_two_ranks")
+def test_fsdp_resumes_exactly_and_its_checkpoints_cross_to_ddp_and_back(moe_two_ranks):
+    tmp, said, _ = moe_two_ranks  # (--moe 4, --ema 0.9, --grad-ckpt, --grad-accum 2)
     runs = ("ddp", "fsdp", "again", "to_ddp", "to_fsdp")
     ckpt = {d: torch.load(tmp / d / "ckpt.pt", weights_only=True) for d in runs}
-    assert all(c["step"] == 4 for c in ckpt.values())
-    assert all(f"resumed from {tmp}/{d}/ckpt.pt at step 2" in said[d] for d in runs[2:])
+    assert all(c["step"] == 6 for c in ckpt.values())
+    assert all(f"resumed from {tmp}/{d}/ckpt.pt at step 3" in said[d] for d in runs[2:])
     for part in ("model", "ema"):
         for name in ckpt["ddp"][part]:
             assert torch.equal(ckpt["fsdp"][part][name], ckpt["again"][part][name]), (part, name)  # bit for bit
-            for a, b in (("ddp", "fsdp"), ("ddp", "to_ddp"), ("fsdp", "to_fsdp")):  # (float rounding apart)
+            for a, b in (("ddp", "to_ddp"), ("fsdp", "to_fsdp")):  # (float rounding apart)
                 assert torch.allclose(ckpt[a][part][name], ckpt[b][part][name], atol=1e-5, rtol=1e-4), (a, b, name)
     moments = lambda c: [v for i in sorted(c["opt"]["state"]) for v in c["opt"]["state"][i].values()]
     assert all(torch.equal(a, b) for a, b in zip(moments(ckpt["fsdp"]), moments(ckpt["again"])))
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(moments(ckpt["ddp"]), moments(ckpt["fsdp"])))
-    assert {"step_000002.png", "step_000004.png"} <= set(os.listdir(tmp / "fsdp" / "samples"))  # every rank drew
-    grids = [np.asarray(Image.open(tmp / d / "samples" / "step_000002.png")) for d in ("ddp", "fsdp")]
+    grids = [np.asarray(Image.open(tmp / d / "samples" / "step_000003_24x12.png")) for d in ("ddp", "fsdp")]
     assert np.abs(grids[0].astype(int) - grids[1].astype(int)).max() <= 1  # the sharded EMA samples as DDP's does
 
 
