@@ -174,6 +174,16 @@ class DiT(nn.Module):
         for linear in adalns + branches + [self.final]:
             nn.init.zeros_(linear.weight)
 
+    LAYOUT = 2  # what the tensors mean, saved in every checkpoint: 2 = two residuals a stream (1: one, same names)
+
+    @staticmethod
+    def check_layout(ckpt, source):
+        """A checkpoint whose tensors this model would misread (the same names, another layer) -> a clear exit."""
+        if ckpt.get("layout") != DiT.LAYOUT:
+            raise SystemExit(f"{source}: written for model layout {ckpt.get('layout', 'none (before layouts)')}, this "
+                             f"model.py is layout {DiT.LAYOUT}: its tensors would load and mean something else; "
+                             f"use the commit that wrote it, or train anew")
+
     def load_weights(self, state, source):
         """load_state_dict, or a clear exit for weights another version of this file wrote (other tensor names)."""
         if other := sorted(state.keys() ^ self.state_dict().keys()):

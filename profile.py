@@ -32,6 +32,7 @@ else:  # run as a script, or imported under another name
     import json
     import random
     import resource
+    import shutil
     import statistics
     import subprocess
     import tempfile
@@ -428,6 +429,7 @@ def recipe(args, argv):
         for name, where in (("shapes", data.BUILTIN), ("emoji", args.emoji)):
             out = os.path.join(args.out, "recipe", f"{name}{'_' + v if flag else ''}".replace(os.sep, "_"))
             flags = base + extra + ["--data", where, "--out", out]
+            shutil.rmtree(out, ignore_errors=True)  # (the recipe's own folder: each row a fresh run)
             print("recipe: python train.py " + " ".join(flags), flush=True)
             start = time.time()
             subprocess.run([sys.executable, os.path.join(here, "train.py"), *flags], check=True)

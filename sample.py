@@ -74,6 +74,7 @@ def load(path, raw=False):
     """Checkpoint -> (eval-mode model, frozen text encoder, training flags); model.vae: the frozen VAE, or None."""
     dev = device()
     ckpt = torch.load(path, map_location=dev, weights_only=True)
+    DiT.check_layout(ckpt, path)
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)  # the dispatch that suits this device
     model.load_weights(ckpt["model" if raw else "ema"], path)
     model.vae = load_vae(ckpt["args"]["vae"], dev)  # (a plain attribute: not a submodule)

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -243,6 +244,21 @@ def no_process_outlives_its_test(request):
         subprocess.run(["pkill", "-KILL", "-f", str(tmp)], capture_output=True)
 
 
+def read_until(proc, text, timeout=120):
+    """proc's stdout lines up to one holding `text`; a child that has not said it within `timeout` s is killed and the
+    test fails with what it said (a child that hangs silently must not hang the suite)."""
+    lines, timer = [], threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if text in line:
+                return lines
+    finally:
+        timer.cancel()
+    raise AssertionError(f"{text!r} never came (killed after {timeout} s?): {''.join(lines)[-2000:]}")
+
+
 def wait_for_log_lines(path, n, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= n):
@@ -386,6 +402,18 @@ def test_positions_are_one_table_cropped_around_its_centre_and_a_square_run_trai
         m(torch.randn(3, 3, 28, 16), t, text, mask)
 
 
+def test_token_n_is_the_patch_at_row_n_div_w_column_n_mod_w_in_and_out_on_a_non_square_grid():
+    m, (p, C, h, w) = randomize(tiny_model()), (4, 3, 2, 3)  # a wide grid: 2 rows of 3 patches of 4 x 4 x 3
+    x, out = torch.randn(2, C, h * p, w * p), torch.randn(2, h * w, p * p * C)
+    tokens = m.patch_embed(x).flatten(2).transpose(1, 2)  # (B, N, D), as DiT.forward reads the picture
+    pixels = m.unpatchify(out, h, w)  # (B, C, H, W), as DiT.forward writes the velocity
+    for i, j in itertools.product(range(h), range(w)):
+        rows, cols = slice(i * p, (i + 1) * p), slice(j * p, (j + 1) * p)
+        assert torch.allclose(tokens[:, i * w + j], m.patch_embed(x[:, :, rows, cols]).flatten(1), atol=1e-6)
+        # a token's p * p * C outputs in (patch row, patch column, channel) order, pixel for pixel
+        assert torch.equal(pixels[:, :, rows, cols], out[:, i * w + j].view(2, p, p, C).permute(0, 3, 1, 2))
+
+
 # -----------------------------------------------------------------------------------------------
 # flow.py
 # -----------------------------------------------------------------------------------------------
@@ -421,6 +449,12 @@ def test_contrastive_flow_matching_subtracts_lambda_times_the_error_against_the_
     assert flow.flow_loss(lambda *_: v, x0, None, None, t, eps)[0].item() == pytest.approx(plain.mean().item())
 
 
+def test_loss_per_bin_averages_each_quarter_of_t_and_leaves_an_empty_one_none():
+    t = torch.tensor([0.0, 0.1, 0.5, 0.74, 0.76, 1.0])  # t = 1 (pure noise) falls in the last quarter
+    per_sample = torch.tensor([1.0, 3.0, 20.0, 10.0, 5.0, 7.0])
+    assert flow.loss_per_bin(t, per_sample) == [2.0, None, 15.0, 6.0]
+
+
 def test_time_distributions():
     g = torch.Generator().manual_seed(0)
     u, ln = flow.sample_t(20000, "uniform", g), flow.sample_t(20000, "logit-normal", g)
@@ -446,15 +480,18 @@ def test_time_shift_distribution_and_contrast_reach_the_training_step_and_the_sa
                         real_forward(self, x, t, *a))
     contrast, real_loss = [], flow.flow_loss  # --contrast reaches the loss too
     monkeypatch.setattr(flow, "flow_loss", lambda *a: contrast.append(a[-1]) or real_loss(*a))
-    fed = {}
+    fed, drawn = {}, {}
     for name, extra in (("shift", ["--t-shift", "3"]), ("plain", []),
                         ("uniform", ["--t-dist", "uniform", "--contrast", "0.05"])):
         times.clear()
         train.main(TINY + ["--image-size", "16", "--steps", "2", "--batch-size", "64", "--out", str(tmp_path / name),
                            *extra])
         assert [len(t) for t in times[:2]] == [64, 64]  # the 2 training steps (then the last grid's sampling)
-        fed[name] = torch.cat(times[:2])
+        fed[name], drawn[name] = torch.cat(times[:2]), [round(t[0].item(), 6) for t in times[2:]]
     assert contrast == [0.0] * 4 + [0.05] * 2
+    for name, shift in (("shift", 3.0), ("plain", 1.0)):  # the last grid too: --sample-steps 4 on the run's grid
+        grid = [round(t, 6) for t in flow.shift_t(torch.linspace(1, 0, 5)[:-1], shift).tolist()]
+        assert drawn[name] and drawn[name] == grid * (len(drawn[name]) // 4), (name, drawn[name])
     assert torch.allclose(fed["shift"], flow.shift_t(fed["plain"], 3.0))  # same draws
     edges = lambda t: ((t < 0.1) | (t > 0.9)).sum().item()  # uniform: 20% of draws; logit-normal: 2 P(n > 2.197) = 2.8%
     assert edges(fed["uniform"]) > 12 > edges(fed["plain"]), (edges(fed["uniform"]), edges(fed["plain"]))
@@ -951,12 +988,13 @@ def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_dr
         keeps.append(keep)
         return out_text, out_mask
     monkeypatch.setattr(flow, "drop_captions", spy)
-    for step in range(1, 13):
+    # the warm-up of TensorFlow's ExponentialMovingAverage(num_updates): min(--ema, (1 + n) / (10 + n)) after step n
+    decays = [2 / 11, 3 / 12, 4 / 13, 5 / 14, 6 / 15, 7 / 16, 8 / 17, 0.5, 0.5, 0.5, 0.5, 0.5]
+    for decay in decays:
         before = [p.clone() for p in S.ema.parameters()]
         train.train_step(S, args, micro)
-        decay = min(0.5, (1 + step) / (10 + step))  # the warm-up rule, then the flag (from step 8 here)
         for e, b, m in zip(S.ema.parameters(), before, S.model.parameters()):
-            assert torch.allclose(e, b + (1 - decay) * (m - b), atol=1e-7), step
+            assert torch.allclose(e, b + (1 - decay) * (m - b), atol=1e-7), S.step
     dropped = 1 - torch.cat(keeps).float().mean().item()
     assert len(keeps) == 12 and 0.1 < dropped < 0.3, dropped  # --cfg-drop 0.2 of 192 captions (not 0.8)
     assert any(not torch.equal(e, m) for e, m in zip(S.ema.parameters(), S.model.parameters()))
@@ -1016,6 +1054,13 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
     for load in (lambda: train.main(flags + ["--resume"]), lambda: sample.load(path)):
         with pytest.raises(SystemExit, match="written by another version of model.py .tensors blocks.0.c.ada.bias"):
             load()
+    upcycle = TINY + ["--image-size", "16", "--steps", "1", "--moe", "2", "--upcycle", path, "--out", str(tmp_path / "u")]
+    for layout in ("none", 1):  # today's names, another layer (one residual a stream): loaded, it would mean nonsense
+        torch.save({k: v for k, v in ckpt.items() if k != "layout"} | ({"layout": layout} if layout != "none" else {}),
+                   path)
+        for load in (lambda: train.main(flags + ["--resume"]), lambda: sample.load(path), lambda: train.main(upcycle)):
+            with pytest.raises(SystemExit, match=f"written for model layout {layout}.*this model.py is layout 2"):
+                load()
     ckpt["data"] = ckpt["data"] * 2  # as if written by 2 ranks
     torch.save(ckpt, path)
     with pytest.raises(SystemExit, match="written by 2 ranks with --dist none: resume with --dist none on as many"):
@@ -1047,19 +1092,20 @@ def test_upcycle_run_starts_from_the_dense_parent_end_to_end(tmp_path, builtin16
 
 
 @pytest.mark.xdist_group("trained16")
-def test_raw_samples_use_the_trained_weights_and_the_default_the_ema(trained16, tmp_path):
+def test_raw_samples_use_the_trained_weights_and_the_default_the_ema(trained16, tmp_path, monkeypatch):
     ckpt_path = os.path.join(trained16, "ckpt.pt")
     ckpt = torch.load(ckpt_path, weights_only=True)
     for raw, key in ((True, "model"), (False, "ema")):
         model, _, _ = sample.load(ckpt_path, raw=raw)
         assert all(torch.equal(v, ckpt[key][k]) for k, v in model.state_dict().items())
-    pngs = []
+    pngs, asked, real_load = [], [], sample.load
+    monkeypatch.setattr(sample, "load", lambda path, raw=False: asked.append(raw) or real_load(path, raw))
     for extra in ([], ["--raw"]):
         path = str(tmp_path / f"g{len(pngs)}.png")
         sample.main(["--ckpt", ckpt_path, "--prompt", "a red circle", "--n", "2", "--steps", "2", "--out", path,
                      *extra])
         pngs.append(np.asarray(Image.open(path)))
-    assert pngs[0].shape == pngs[1].shape and (pngs[0] != pngs[1]).any()
+    assert asked == [False, True] and pngs[0].shape == pngs[1].shape and (pngs[0] != pngs[1]).any()
 
 
 def test_precision_bf16_runs_the_model_under_bf16_autocast(tmp_path, builtin16, monkeypatch):
@@ -1253,7 +1299,8 @@ def test_active_parameters_are_the_ones_a_single_image_token_gets_a_gradient_fro
 
 
 @pytest.mark.parametrize("E", [0, 4])
-def test_activation_checkpointing_gives_the_same_gradients(E):
+def test_activation_checkpointing_gives_the_same_gradients_and_train_py_s_flag_reaches_every_block(E, tmp_path,
+                                                                                                  monkeypatch):
     grads = []
     for ckpt in (False, True):
         model = randomize(tiny_model(moe=E))
@@ -1271,6 +1318,12 @@ def test_activation_checkpointing_gives_the_same_gradients(E):
             model(*toy_inputs())
         saved.append(n[0])
     assert saved[1] < 0.6 * saved[0], saved
+    real, blocks = torch.utils.checkpoint.checkpoint, []  # train.py --grad-ckpt: each block of each training forward
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda block, *a, **k: blocks.append(block) or
+                        real(block, *a, **k))
+    run = train.main(TINY + ["--image-size", "16", "--moe", str(E), "--steps", "2", "--grad-ckpt", "--grad-accum",
+                             "2", "--out", str(tmp_path)])
+    assert blocks == [*run.model.blocks] * 4  # (2 steps x 2 micro-batches; none for the grids, drawn without grad)
 
 
 def test_upcycled_model_starts_equal_to_its_dense_parent():
@@ -2122,6 +2175,9 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     out, clip = str(tmp_path / "run"), make_tiny_clip(tmp_path / "clip")
     # the tiny CLIP is the text encoder too: it encodes ~100 captions much faster than MiniLM
     train.main(TINY + ["--image-size", "16", "--steps", "3", "--text-encoder", clip, "--out", out])
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)  # its EMA randomised: samples that depend on
+    ckpt["ema"] = randomize(DiT(**ckpt["config"])).state_dict()  # the caption and the guidance (3 steps: hardly)
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
     shards = tmp_path / "real"
     shards.mkdir()
     rng = random.Random(0)
@@ -2144,10 +2200,14 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     # of those samples against their own captions (real images in place of samples, or other captions, differ)
     model, encoder, _ = sample.load(os.path.join(out, "ckpt.pt"))
     real, captions = eval.real_images(str(shards), 16, 10, 0)
-    fake = data.as_uint8(sample.sample_images(model, encoder, None, captions, 2, 3.0, 0, model.t_shift))
-    by_hand = eval.fid_is(real, fake, eval.feature_nets(str(tmp_path / "f.pt")))
+    drawn = lambda cfg, words: data.as_uint8(sample.sample_images(model, encoder, None, words, 2, cfg, 0,
+                                                                   model.t_shift))
+    fake, nets = drawn(2.0, captions), eval.feature_nets(str(tmp_path / "f.pt"))
+    by_hand = eval.fid_is(real, fake, nets)
     assert by_hand["fid"] > 0.01 and all(math.isclose(scores[k], by_hand[k], rel_tol=1e-5)  # (KID: random subsets)
                                          for k in ("fid", "inception_score")), (scores, by_hand)
+    for cfg, words in ((3.0, captions), (2.0, captions[::-1])):  # other guidance, or captions: other samples, FID
+        assert not math.isclose(scores["fid"], eval.fid_is(real, drawn(cfg, words), nets)["fid"], rel_tol=1e-3)
     clip_of = lambda images, words: eval.clip_score(images, words, eval.load_clip(clip))
     assert math.isclose(scores["clip_score"], clip_of(fake, captions), rel_tol=1e-4)  # (its batches round apart)
     assert not math.isclose(scores["clip_score"], clip_of(real, captions), rel_tol=1e-3)
@@ -2341,22 +2401,29 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     final = next(r for r in log if "eval" in r)["eval"]
     assert {"top1", "top5", "ceiling_top1", "sharpness", "fid", "kid"} <= set(final)
     assert Image.open(os.path.join(run, "samples", "eval.png")).size == (8 * 16 * 3, 2 * 16 * 3)  # real above samples
+    ckpt = torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)  # its EMA randomised: samples that depend on
+    ckpt["ema"] = randomize(DiT(**ckpt["config"])).state_dict()  # the names and the guidance (4 steps: hardly)
+    torch.save(ckpt, os.path.join(run, "ckpt.pt"))
     capsys.readouterr()
-    sample.main(["--ckpt", os.path.join(run, "ckpt.pt"), "--eval", "--eval-n", "2", "--steps", "2", "--cfg", "0"])
+    sample.main(["--ckpt", os.path.join(run, "ckpt.pt"), "--eval", "--eval-n", "2", "--steps", "2"])
     said = capsys.readouterr().out
     scores = json.loads(said.strip().splitlines()[-1])
-    assert scores["n"] == 16 and scores["cfg"] == 0 and scores["chance5"] == 5 / 8 and "retrieval top-1" in said
+    assert scores["n"] == 16 and scores["cfg"] == 2 and scores["chance5"] == 5 / 8 and "retrieval top-1" in said
     # the wiring, by hand: every name twice in the held-out wording, drawn with the same noise, scored against the set
     model, encoder, _ = sample.load(os.path.join(run, "ckpt.pt"))
     names = eval.names_set(out, 16)
     want = torch.arange(8).repeat_interleave(2)
-    captions = [names["heldout"].format(name=names["names"][i]) for i in want]
-    fake = data.as_uint8(sample.sample_images(model, encoder, None, captions, 2, 0.0, 0, model.t_shift))
-    by_hand = eval.retrieval_scores(fake, want, names, fid=True)
+    heldout = lambda which: [names["heldout"].format(name=names["names"][i]) for i in which]
+    drawn = lambda cfg, which: data.as_uint8(sample.sample_images(model, encoder, None, heldout(which), 2, cfg, 0,
+                                                                  model.t_shift))
+    by_hand = eval.retrieval_scores(drawn(2.0, want), want, names, fid=True)
     assert all(math.isclose(scores[k], by_hand[k], rel_tol=1e-6) for k in ("top1", "top5", "sharpness", "fid"))
+    for cfg, which in ((0.0, want), (2.0, want.roll(2))):  # the caption ignored, or other names: other samples
+        assert not math.isclose(eval.retrieval_scores(drawn(cfg, which), want, names)["fid"], by_hand["fid"],
+                                rel_tol=1e-3)
     real = eval.retrieval_scores(names["real"][want], want, names, fid=True)  # the real pictures in place of samples
     assert (real["top1"], real["fid"]) != (by_hand["top1"], by_hand["fid"]), real
-    assert os.path.exists(os.path.join(run, "eval_2steps_cfg0.png"))
+    assert os.path.exists(os.path.join(run, "eval_2steps_cfg2.png"))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2570,18 +2637,20 @@ def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkey
     assert seen == [c for b, _ in zip(new, range(2)) for c in b["caption"]]  # its next epoch, from its start
 
 
-def test_a_fresh_run_in_a_used_folder_never_falls_back_to_the_other_runs_checkpoint(tmp_path):
-    out = str(tmp_path / "run")
-    flags = TINY + ["--image-size", "16", "--ckpt-every", "1", "--out", out]
-    train.main(flags + ["--steps", "2"])  # an earlier run: ckpt.pt (step 2) and ckpt.prev.pt (step 1)
-    assert torch.load(os.path.join(out, "ckpt.prev.pt"), weights_only=True)["step"] == 1
-    train.main(flags + ["--steps", "1", "--lr", "1e-4"])  # a fresh run (no --resume) in that folder, saved once
-    assert not os.path.exists(os.path.join(out, "ckpt.prev.pt"))  # the other run's is never its fallback
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["lr"] == 1e-4
-    with open(os.path.join(out, "ckpt.pt"), "wb") as f:  # its only checkpoint damaged
-        f.write(b"\0" * 100)
-    with pytest.raises(SystemExit, match="no readable checkpoint"):
-        train.main(flags + ["--steps", "1", "--lr", "1e-4", "--auto-resume"])
+def test_a_fresh_run_in_a_folder_that_holds_another_run_is_refused_and_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    flags = TINY + ["--image-size", "16", "--ckpt-every", "1", "--out", str(out)]
+    train.main(flags + ["--steps", "2"])  # an earlier run: ckpt.pt (step 2), ckpt.prev.pt (step 1), its log and flags
+    before = {f: (out / f).read_bytes() for f in ("ckpt.pt", "ckpt.prev.pt", "log.jsonl", "args.json")}
+    for lost in (None, "ckpt.pt"):  # its checkpoints; then only the one before its last (a damaged ckpt.pt moved away)
+        if lost:
+            os.remove(out / lost)
+            del before[lost]
+        with pytest.raises(SystemExit, match=f"{out} holds another run's checkpoint: continue it with --resume, or"):
+            train.main(flags + ["--steps", "1", "--lr", "1e-4"])  # no --resume: a fresh run
+        assert {f: (out / f).read_bytes() for f in before} == before and (out / "ckpt.pt").exists() == (not lost)
+    train.main(flags + ["--steps", "3", "--override", "steps", "--auto-resume"])  # --auto-resume: that run goes on
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 3
 
 
 def test_resume_mid_epoch_does_not_decode_the_consumed_samples(tmp_path, monkeypatch):
@@ -2631,9 +2700,7 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
         procs[case] = run_script(tmp_path / case, body, flags + ["--out", str(tmp_path / case / "run")])
     for case, (body, code, says) in cases.items():
         p, out = procs[case], tmp_path / case / "run"
-        for line in p.stdout:  # the banner, then "stuck"
-            if "stuck" in line:
-                break
+        read_until(p, "stuck")  # the banner, then "stuck"
         p.send_signal(signal.SIGTERM)
         if case in ("step", "repeat"):  # inside a step the first signal waits for the step to end; a second one
             time.sleep(3 if case == "step" else 0.2)  # does not, unless it is the same event arriving twice

@@ -301,7 +301,9 @@ def setup(args, shape=None):
     model = DiT(**config).to(dev)
     model.grad_ckpt = args.grad_ckpt  # (how it computes, not what: not part of the config)
     if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
-        copied = moe.upcycle(model, torch.load(args.upcycle, map_location=dev, weights_only=True)["ema"])
+        parent = torch.load(args.upcycle, map_location=dev, weights_only=True)
+        DiT.check_layout(parent, args.upcycle)
+        copied = moe.upcycle(model, parent["ema"])
         if rank == 0:
             print(f"upcycled from {args.upcycle}: {copied} tensors copied, every expert = the dense MLP, routers fresh")
     ema = copy.deepcopy(model).requires_grad_(False) if args.ema else model
@@ -329,6 +331,9 @@ def setup(args, shape=None):
 
 def start(args):
     """Run folder, data check, set-up, resume or args.json, log.jsonl, the banner -> the Run."""
+    if not args.resume and any(os.path.exists(os.path.join(args.out, f)) for f in (CKPT, PREV)):  # (a fresh run would
+        # overwrite its log.jsonl and args.json; until our first save, a --resume would continue it under our flags)
+        raise SystemExit(f"{args.out} holds another run's checkpoint: continue it with --resume, or pass another --out")
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
     pre = read_json(os.path.join(os.path.dirname(shards[0]), "precompute.json"))  # `data.py precompute`d?
@@ -544,6 +549,7 @@ def save_checkpoint(run, args):
     opt = None if tag else run.engine.whole_state(run.opt.state_dict())
     ckpt = dict(model=model, ema=ema, opt=opt,  # (DeepSpeed: its optimizer state is in its tag folder)
                 deepspeed_tag=tag, sched=run.sched.state_dict(), step=run.step, args=vars(args), config=run.config,
+                layout=DiT.LAYOUT,
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate(), gen=run.gen.get_state()),
                 bad_steps={k: v.cpu() for k, v in run.bad_steps.items()}, data=positions,
                 buckets=run.buckets and list(run.buckets))
@@ -583,6 +589,7 @@ def read_checkpoint(out, rank=0):
 def load_checkpoint(run, args):
     """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
     name, ckpt = read_checkpoint(args.out, run.rank)
+    DiT.check_layout(ckpt, f"{args.out}/{name}")
     changed = {k: (v, getattr(args, k)) for k in TRAJECTORY if (v := ckpt["args"].get(k)) != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in args.override}
     if refused:
