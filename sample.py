@@ -298,8 +298,8 @@ def plot_run(folder):
             ax.legend(fontsize=7)
     axes[0].set_yscale("log")
     axes[2].set_ylim(0, 1.02)
-    fig.tight_layout()
-    try:
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.9, wspace=0.25)  # (not tight_layout: it measures
+    try:  # every label each time, and train.py redraws this with every grid)
         atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
     except OSError as e:  # train.py redraws it with every grid: a full disk must not end a run over a picture
         print(f"warning: {folder}/loss.png not written ({e}); going on", file=sys.stderr)
