@@ -1054,7 +1054,8 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
     for load in (lambda: train.main(flags + ["--resume"]), lambda: sample.load(path)):
         with pytest.raises(SystemExit, match="written by another version of model.py .tensors blocks.0.c.ada.bias"):
             load()
-    upcycle = TINY + ["--image-size", "16", "--steps", "1", "--moe", "2", "--upcycle", path, "--out", str(tmp_path / "u")]
+    upcycle = TINY + ["--image-size", "16", "--steps", "1", "--moe", "2", "--upcycle", path, "--out",
+                      str(tmp_path / "u")]
     for layout in ("none", 1):  # today's names, another layer (one residual a stream): loaded, it would mean nonsense
         torch.save({k: v for k, v in ckpt.items() if k != "layout"} | ({"layout": layout} if layout != "none" else {}),
                    path)
