@@ -1004,6 +1004,9 @@ def test_ema_0_keeps_no_copy_and_override_ema_starts_one_from_the_weights_or_dro
     flags = TINY + ["--image-size", "16", "--steps", "2", "--warmup", "2"]
     runs = {ema: train.main(flags + ["--ema", ema, "--out", str(tmp_path / ema)]) for ema in ("0", "0.9")}
     assert runs["0"].ema is runs["0"].model and runs["0.9"].ema is not runs["0.9"].model
+    seed1 = train.main(flags + ["--ema", "0", "--seed", "1", "--out", str(tmp_path / "seed1")])
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    assert same(runs["0"], runs["0.9"]) and not same(runs["0"], seed1)  # the EMA changes no weight; --seed all
     size = {ema: os.path.getsize(tmp_path / ema / "ckpt.pt") for ema in runs}
     weights = train.held_bytes(runs["0"].model.parameters())
     assert abs(size["0.9"] - size["0"] - weights) < 0.05 * weights, (size, weights)  # --ema 0: its weights saved once
