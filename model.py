@@ -178,7 +178,8 @@ class DiT(nn.Module):
 
     @staticmethod
     def check_layout(ckpt, source):
-        """A checkpoint whose tensors this model would misread (the same names, another layer) -> a clear exit."""
+        """A checkpoint of another layout (the same names, another layer) or of none (saved before layouts were
+        recorded, so it cannot be told apart) -> a clear exit: its tensors would load and be misread."""
         if ckpt.get("layout") != DiT.LAYOUT:
             raise SystemExit(f"{source}: written for model layout {ckpt.get('layout', 'none (before layouts)')}, this "
                              f"model.py is layout {DiT.LAYOUT}: its tensors would load and mean something else; "

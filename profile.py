@@ -76,7 +76,7 @@ def get_args(argv=None):
     a("--warmup-iters", type=int, default=3, help="untimed steps first")
     a("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     a("--compare", help="FLAG=A,B[,C]: each setting of a train.py flag in fresh processes, then a ratio table; "
-      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,fsdp, "
+      "on/off for switches (compile=off,on); nproc=1,2: ranks under torchrun, 1 thread each; dist=ddp,deepspeed,fsdp, "
       "ep=1,2: 2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
     a("--repeats", type=int, help="--compare: runs per setting, alternating (default 3; suite: 2 on a GPU, 1 on CPU)")
     a("--json", help="write the result JSON here (used by --compare)")
@@ -315,7 +315,7 @@ def print_result(res, times):
 def ratio_table(args, flag, values, runs):
     """Medians per value -> (rows {value: {key: median}}, the table's lines; ratios to the first value)."""
     phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES + ("all_to_all",) * (flag == "ep")
-    phases = () if flag == "dist" else phases  # (FSDP's phases exclude its collectives, DDP's include its all-reduce)
+    phases = () if flag == "dist" else phases  # (each engine's phases hold its own communication, unlike ep's)
     columns = {f"{k}_ms": (f"{k} ms", ".1f") for k in phases} | {  # result key -> (heading, format); those measured
         k: c for k, c in COLUMNS.items() if runs[values[0]][0].get(k) is not None}
 

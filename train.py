@@ -78,12 +78,12 @@ def get_parser():
     a("--seed", type=int, default=0, help="seed of data order, noise, times and caption drop")
     a("--workers", type=int, default=int(torch.cuda.is_available()), help="loader processes (CPU: 0, cores are busy)")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, loss.png, samples/")
-    a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt")
+    a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt (unreadable: ckpt.prev.pt)")
     a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start (requeued jobs)")
     a("--override", default="", help="--resume: accept these changed flags, comma-separated (e.g. steps,lr)")
     a("--max-bad-steps", type=int, default=10, help="stop after this many non-finite (skipped) steps in a row")
     a("--log-every", type=int, default=10, help="steps between log lines: the only steps that read the device")
-    a("--sample-every", type=int, default=500, help="steps between EMA sample grids (0 = only at the end)")
+    a("--sample-every", type=int, default=500, help="steps between the EMA's sample grids (0 = only at the end)")
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
     a("--cfg", type=float, default=2.0, help="guidance scale w of sample grids and the final evaluation")
     a("--sample-steps", type=int, default=25, help="Euler steps of sample grids and the final evaluation")
@@ -200,8 +200,9 @@ class FSDPEngine(Engine):
     """FSDP2 (`--dist fsdp`, ZeRO-3): shard() splits every tensor of the model (and of its EMA) along dim 0 over the
     ranks, one block at a time: a block's whole weights are all-gathered just before it runs (in the forward, and
     again in the backward) and freed after; its gradients are reduce-scattered (averaged) to their shards, where
-    AdamW updates them. A rank holds 1/N of the weights, gradients and moments, plus one block's whole weights. The
-    tensors are DTensors (a shard that knows its whole), so the step is one process's: clip all-reduces the norm."""
+    AdamW updates them. A rank holds 1/N of the weights, gradients and moments, plus one block's whole weights (and
+    with --grad-accum > 1, the whole gradients until the last micro-batch). The tensors are DTensors (a shard that
+    knows its whole), so the step is one process's: clip all-reduces the norm."""
     sharded = True
 
     @staticmethod
@@ -330,7 +331,8 @@ def setup(args, shape=None):
 
 
 def start(args):
-    """Run folder, data check, set-up, resume or args.json, log.jsonl, the banner -> the Run."""
+    """Run folder (a fresh run refuses one holding another run), data check, set-up, resume or args.json, log.jsonl,
+    the banner -> the Run."""
     if not args.resume and any(os.path.exists(os.path.join(args.out, f)) for f in (CKPT, PREV)):  # (a fresh run would
         # overwrite its log.jsonl and args.json; until our first save, a --resume would continue it under our flags)
         raise SystemExit(f"{args.out} holds another run's checkpoint: continue it with --resume, or pass another --out")
@@ -517,9 +519,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
 
 def write_checkpoint(run, args, ckpt, tag):
     """Rank 0: ckpt.pt written atomically, the one before kept as ckpt.prev.pt -> False on an OSError (warned)."""
-    prev = os.path.join(args.out, PREV)
-    if run.ckpt_step is None and os.path.exists(prev):  # another run's, left in this folder: never a fallback
-        os.remove(prev)
+    prev = os.path.join(args.out, PREV)  # (a fresh run starts only in a folder with neither: see start)
     try:
         atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
                           keep=prev if run.ckpt_step is not None else None)
@@ -567,7 +567,8 @@ def save_checkpoint(run, args):
 def read_checkpoint(out, rank=0):
     """-> (name, checkpoint): ckpt.pt, else ckpt.prev.pt; rank 0 renames an unreadable ckpt.pt to ckpt.bad.pt, so it
     never becomes the previous one (every rank reads the same: rank 0 renames only after it failed to read). Mapped
-    from the file, not read: a tensor reaches the device (FSDP: its shard) only as it is loaded into its place."""
+    from the file, not read: each tensor is read only as it is loaded into its place (FSDP: one at a time, its shard
+    kept)."""
     errors = []
     for name in (CKPT, PREV):
         try:
