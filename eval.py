@@ -171,9 +171,11 @@ def views(x, g):
     return as_uint8(x + torch.randn(x.shape, generator=g) * torch.rand(n, 1, 1, 1, generator=g) * 0.2)
 
 
-def name_net(names, steps=1000, batch=64, seed=0):
-    """NameNet for a names set at its pictures' size, trained on views() of them on first use, then cached."""
+def name_net(names, batch=64, seed=0):
+    """NameNet for a names set at its pictures' size, trained on views() of them on first use, then cached: 1,000
+    steps, or 40 a name for a set of fewer than 25 (each still sees over 2,500 views)."""
     real = names["real"]
+    steps = min(1000, 40 * len(real))
     path = os.path.join(names["root"], f"namenet{real.shape[-1]}.pt")
     with torch.random.fork_rng():  # its init must not move the caller's random stream (a training run's)
         torch.manual_seed(seed)
