@@ -274,9 +274,11 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, shards, batch_size, size, seed=0, epoch=0, rank=0, world=1, buffer=1000, resume=None, first=0):
         shares = {(size, size): 1} if isinstance(size, int) else size  # (W, H) -> samples
-        self.sizes, self.cum, self.first = list(shares), list(itertools.accumulate(shares.values())), first
+        self.sizes, self.cum = list(shares), list(itertools.accumulate(shares.values()))
         self.shards, self.B, self.buffer, self.resume = list(shards), batch_size, buffer, resume or {}
-        self.seed, self.epoch, self.rank, self.world = seed, epoch, rank, world
+        self.seed, self.rank, self.world = seed, rank, world
+        # (epoch, first) in shared memory: loader workers live across epochs and read each new one's at its start
+        self.at = multiprocessing.RawArray("q", [epoch, first])
         self.u0 = random.Random(f"buckets-{seed}").random()  # where bucket()'s sequence starts
 
     def bucket(self, n):
@@ -290,11 +292,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         batches of B, each from the pool of the bucket its number is given (one pool, one bucket: plain batching)."""
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        self.epoch, self.first = self.at[:]
+        resume, self.resume = self.resume, {}  # (only the first epoch resumes)
         mine = worker_shards(self.shards, self.seed, self.epoch, self.rank, self.world, wid, nw)
         rng = random.Random(f"samples-{self.seed}-{self.epoch}-{self.rank}-{wid}")
         self.skipped, pools = 0, {b: [] for b in self.sizes}  # bucket -> [(raw sample number, sample)]
         stream = shuffled(read_tars(mine, handler=self.unreadable), self.buffer, rng)
-        done = self.resume.get(wid, dict(batches=0, raw=0, skipped=0, pooled=[]))
+        done = resume.get(wid, dict(batches=0, raw=0, skipped=0, pooled=[]))
         yield from self.pass_over(stream, done, wid, pools)
         raw, self.skipped, k = done["raw"], done["skipped"], done["batches"]  # (pass_over's were counted before)
         for s in stream:
@@ -331,11 +335,12 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 def make_loader(shards, batch_size, size, seed, epoch, rank=0, world=1, workers=1, resume=None, first=0):
-    """DataLoader over one epoch (`size`: see ShardStream); batching happens in the stream, so batch_size=None here."""
+    """DataLoader over epoch `epoch` (`size`: see ShardStream), its workers kept for the next: set loader.dataset.at
+    to (epoch, batches before it), then iterate again. Batching happens in the stream, so batch_size=None here."""
     ds = ShardStream(shards, batch_size, size, seed, epoch, rank, world, resume=resume, first=first)
     # an explicit generator keeps DataLoader from drawing its base seed from the global RNG
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=leave_stops_to_rank,
-                                       generator=torch.Generator().manual_seed(seed))
+                                       generator=torch.Generator().manual_seed(seed), persistent_workers=workers > 0)
 
 
 def leave_stops_to_rank(worker_id):
@@ -366,10 +371,12 @@ class Position:
 
 
 def batches(shards, batch_size, size, seed, rank, world, workers, pos):
-    """One rank's endless batches, epoch after epoch, from Position `pos` on, which they keep up to date."""
+    """One rank's endless batches, epoch after epoch, from Position `pos` on, which they keep up to date; one loader,
+    whose workers live from epoch to epoch."""
+    loader = make_loader(shards, batch_size, size, seed, pos.epoch, rank, world, workers, resume=dict(pos.workers))
     while True:
-        for i, b in enumerate(make_loader(shards, batch_size, size, seed, pos.epoch, rank, world, workers,
-                                          resume=dict(pos.workers), first=pos.batches_before)):
+        loader.dataset.at[:] = [pos.epoch, pos.batches_before]  # (read by each worker as the epoch starts)
+        for i, b in enumerate(loader):
             if b["worker"] != i % max(workers, 1) and isinstance(size, dict):  # a worker ran dry: with buckets the
                 break                                         # epoch ends here (the others' batches have other numbers)
             if (i < pos.batch_in_epoch) != ("consumed" in b):  # placeholders stand where consumed batches stood

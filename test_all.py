@@ -582,6 +582,19 @@ def test_bad_samples_are_skipped_and_counted(tmp_path):
     assert len(got) >= 6 and all(b["caption"] == ["ok"] for b in got)
 
 
+def test_loader_workers_live_across_epochs_and_each_epoch_is_the_one_a_fresh_loader_gives(tmp_path, monkeypatch):
+    shards = data.make_builtin(str(tmp_path / "s"), size=16, n_shards=4, per_shard=24)  # 2 workers x 3 batches of 16
+    started = tmp_path / "started"  # each loader worker, as it starts, says so
+    monkeypatch.setattr(data, "leave_stops_to_rank", lambda wid: started.open("a").write(f"{wid}\n") and None)
+    pos = data.Position()
+    stream = data.batches(shards, 16, 16, 0, 0, 1, 2, pos)
+    got = [next(stream)["caption"] for _ in range(18)]  # 3 epochs of 6 batches
+    stream.close()
+    assert (pos.epoch, pos.batch_in_epoch, sorted(started.read_text().split())) == (2, 6, ["0", "1"])  # started once
+    fresh = [b["caption"] for epoch in range(3) for b in data.make_loader(shards, 16, 16, 0, epoch, workers=2)]
+    assert got == fresh
+
+
 def test_each_shard_goes_to_one_worker_of_one_rank_and_train_counts_bad_samples_of_every_worker(tmp_path):
     for s in range(6):  # 6 shards x 5 samples; the 3rd sample of shards 1, 3 and 5 is not an image
         write_shard(str(tmp_path / f"s{s}.tar"), [{"__key__": f"{s}-{i}", "txt": f"{s}-{i}", "png":
