@@ -10,7 +10,8 @@
   * streaming by hand: shard shuffle -> this rank's and this loader worker's shards -> tar samples -> shuffle
     buffer -> decode -> a pool per aspect-ratio bucket -> batches of one bucket; a bad sample is skipped and
     counted. The order is a pure function of (seed, epoch, rank, worker), a batch's bucket of its number (the
-    same on every rank), and a Position records how far each worker got: that is what makes `--resume` exact;
+    same on every rank), and a Position records how far each worker got: that is what makes `--resume` exact; the
+    loader's workers live for the whole run (each new epoch reaches them through shared memory);
   * any picture a user brings (transparent, palette, 16-bit, a phone photo stored sideways) becomes upright RGB
     the same way (`to_rgb`); precompute runs the frozen VAE and text encoder (model.py) once instead of per step.
 """
