@@ -31,6 +31,7 @@ from data import append_json, atomic_write, read_json, write_json
 from model import MODELS, DiT, TextEncoder, count_params, device, load_vae, preset
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
+holds_checkpoint = lambda out: any(os.path.exists(os.path.join(out, f)) for f in (CKPT, PREV))  # a run is there
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop", "ema", "precision",
                            "bias_rate", "text_encoder", "vae", "image_size")  # --resume refuses changes (--override)
@@ -116,7 +117,7 @@ def get_args(argv=None, parser=None):
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
-    found = any(os.path.exists(os.path.join(args.out, f)) for f in (CKPT, PREV))
+    found = holds_checkpoint(args.out)
     args.resume = args.resume or (args.auto_resume and found)
     if args.resume and not found:
         p.error(f"--resume: no checkpoint at {args.out}/{CKPT}; drop --resume to start fresh")
@@ -333,8 +334,8 @@ def setup(args, shape=None):
 def start(args):
     """Run folder (a fresh run refuses one holding another run), data check, set-up, resume or args.json, log.jsonl,
     the banner -> the Run."""
-    if not args.resume and any(os.path.exists(os.path.join(args.out, f)) for f in (CKPT, PREV)):  # (a fresh run would
-        # overwrite its log.jsonl and args.json; until our first save, a --resume would continue it under our flags)
+    if not args.resume and holds_checkpoint(args.out):  # (a fresh run would overwrite its log.jsonl and args.json;
+        # until our first save, a --resume would continue that run under our flags)
         raise SystemExit(f"{args.out} holds another run's checkpoint: continue it with --resume, or pass another --out")
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
