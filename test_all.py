@@ -781,6 +781,25 @@ def trained_mixed16(tmp_path_factory):
     return out
 
 
+def shape_word_ratio(ckpt, size, seed=1):
+    """A trained model's flow loss on 192 built-in pictures of `size` (W, H) under their own captions ÷ under captions
+    naming another shape (the same pictures, times and noise): 1 for a model blind to the shape, which its samples
+    would draw at chance; below 1 as far as the model draws the shape it is told."""
+    model, encoder, _ = sample.load(ckpt)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    attrs = [data.random_caption(rng)[1] for _ in range(192)]
+    x0 = torch.stack([data.to_tensor(data.render(a["color"], a["shape"], a["position"], size, rng), size)
+                      for a in attrs])  # (192, 3, H, W)
+    t, eps = flow.sample_t(len(x0), "logit-normal", g), torch.randn(x0.shape, generator=g)
+
+    def loss(turn):  # each caption's shape moved `turn` places along data.SHAPES
+        shape = lambda a: data.SHAPES[(data.SHAPES.index(a["shape"]) + turn) % len(data.SHAPES)]
+        captions = [data.TEMPLATES[0].format(color=a["color"], shape=shape(a), pos=a["position"]) for a in attrs]
+        with torch.no_grad():
+            return flow.flow_loss(model, x0, *encoder(captions), t, eps)[0].item()
+    return loss(0) / min(loss(1), loss(2))
+
+
 def test_a_model_trained_on_mixed_aspect_ratios_draws_wide_and_tall_pictures_that_follow_their_captions(
         trained_mixed16, tmp_path, capsys):
     final = next(json.loads(l)["eval"] for l in open(os.path.join(trained_mixed16, "log.jsonl")) if '"eval"' in l)
@@ -788,9 +807,11 @@ def test_a_model_trained_on_mixed_aspect_ratios_draws_wide_and_tall_pictures_tha
     for size in ("12x22", "22x12"):  # caption-blind: colour 1/6 (position, split over 3 buckets, is learnt later)
         assert final[size]["color"] >= 0.8, (size, final[size])
     assert final["all"] == sum(final[k]["all"] for k in ("12x22", "16x16", "22x12")) / 3
+    ckpt = os.path.join(trained_mixed16, "ckpt.pt")
+    for size in ((12, 22), (16, 16), (22, 12)):  # shape is learnt last: 200 steps use it, on every aspect ratio
+        assert shape_word_ratio(ckpt, size) < 0.995, size
     for size, (w, h) in (("12x22", (12, 22)), ("22x12", (22, 12))):  # a grid per bucket: 15 columns x 6 rows, 2x
         assert Image.open(os.path.join(trained_mixed16, "samples", f"step_000100_{size}.png")).size == (30 * w, 12 * h)
-    ckpt = os.path.join(trained_mixed16, "ckpt.pt")
     again = sample.main(["--ckpt", ckpt, "--eval", "--steps", "4", "--eval-n", "1", "--out", str(tmp_path / "e.png")])
     assert {k: again[k] for k in final} == final  # the same samples, scored per bucket as train.py did
     sample.main(["--ckpt", ckpt, "--size", "22x12", "--n", "2", "--out", str(tmp_path / "wide.png")])
@@ -817,6 +838,7 @@ def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beat
     assert blind["color"] < 0.35 and blind["position"] < 0.4, blind  # chance: 1/6 and 1/5
     assert final["color"] >= 0.8 and final["position"] >= 0.8, final
     assert final["color"] + final["position"] > unguided["color"] + unguided["position"], (final, unguided)
+    assert shape_word_ratio(ckpt, (16, 16)) < 0.95  # and the shape: its samples' shapes are not yet judged right
 
 
 @pytest.mark.xdist_group("trained16")
