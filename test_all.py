@@ -2735,19 +2735,23 @@ def test_caption_states_are_the_same_bits_in_any_batch_cached_or_not():
 def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(tmp_path):
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "1000", "--ckpt-every", "1000"]
-    stuck_in_step = ("import os\nreal = train.train_step\ndef step(S, *a):\n    if S.step == 3:\n"  # until a file
+    said = ("import os\nreal_handle = train.StopSignals.handle\ndef handle(self, *a):\n"  # each signal, once handled
+            "    try:\n        real_handle(self, *a)\n    finally:\n        print('handled', flush=True)\n"
+            "train.StopSignals.handle = handle\n")
+    stuck_in_step = (said + "real = train.train_step\ndef step(S, *a):\n    if S.step == 3:\n"  # until a file
                      "        print('stuck', flush=True)\n"
                      "        while not os.path.exists(sys.argv[-1] + '.go'): time.sleep(0.05)\n"
-                     "    return real(S, *a)\ntrain.train_step = step")
+                     "    return real(S, *a)\ntrain.train_step = step\n")
     cases = {  # where the process is stuck -> (exit status, what it prints)
-        "repeat": (stuck_in_step, 0, "checkpoint written at step 4"),  # the same signal twice, 0.2 s apart
+        "repeat": (stuck_in_step, 0, "checkpoint written at step 4"),  # the same signal twice, at once
         "startup": ("real = train.setup\ndef setup(args):\n    print('stuck', flush=True); time.sleep(600)\n"
                     "train.setup = setup", 128 + signal.SIGTERM, "caught SIGTERM: exiting at once"),
-        "data": ("import itertools, os\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"  # a loader that
-                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True)\n"  # waits for a file
+        "data": (said + "import itertools\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"  # a loader
+                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True)\n"  # waiting for a file
                  "        while i == 3 and not os.path.exists(sys.argv[-1] + '.go'): time.sleep(0.05)\n"
                  "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 4"),
-        "step": (stuck_in_step, 128 + signal.SIGTERM, "exiting at once"),  # a second signal, 3 s later
+        "step": (stuck_in_step + "train.StopSignals.__init__.__defaults__ = (False, 0.0)",  # no repeat: any second
+                 128 + signal.SIGTERM, "exiting at once"),                                  # signal is a second one
     }
     procs = {}
     for case, (body, _, _) in cases.items():  # all four side by side
@@ -2757,19 +2761,16 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
         p, out = procs[case], tmp_path / case / "run"
         read_until(p, "stuck")  # the banner, then "stuck"
         p.send_signal(signal.SIGTERM)
-        if case in ("step", "repeat"):  # inside a step the first signal waits for the step to end; a second one
-            time.sleep(3 if case == "step" else 0.2)  # does not, unless it is the same event arriving twice
-            assert p.poll() is None
+        if case != "startup":  # inside a step, or waiting for data, the first signal is only noted
+            read_until(p, "handled")
+        if case in ("step", "repeat"):  # a second one ends the process at once, unless it is the same event twice
             p.send_signal(signal.SIGTERM)
-        if case == "data":  # the loader goes on waiting, the process with it
-            time.sleep(1)
-            assert p.poll() is None
         if case in ("data", "repeat"):  # then the batch comes, or the step ends
             (tmp_path / case / "run.go").touch()
         stdout, stderr = p.communicate(timeout=60)  # ("step", "startup": at once, not after a wait for the file)
         assert p.returncode == code and says in stdout + stderr, (case, p.returncode, stderr[-2000:])
         assert not list(out.rglob("*.tmp"))
-        if case in ("data", "repeat"):  # waiting for data too, the signal is acted on after the next step
+        if case in ("data", "repeat"):  # the signal is acted on after the next step: the process waited with it
             ckpt = torch.load(out / "ckpt.pt", weights_only=True)
             assert ckpt["step"] == ckpt["data"][0]["batch_in_epoch"] == 4, case
         else:
