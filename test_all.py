@@ -2778,11 +2778,21 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
 
 
 def launch_and_signal(out, flags, signum, to_all=False):
-    """Plain torchrun (no --signals-to-handle, as users type it) with 2 ranks; after 5 log lines `signum` goes to
-    torchrun alone, or to torchrun and every rank at once (what `scancel --signal` and Slurm's time limit do).
-    -> (torchrun's stdout, the checkpoint's step); asserts that no process of the run is left."""
+    """Plain torchrun (no --signals-to-handle, as users type it) with 2 ranks of train.py, rank 0 holding its step 6
+    until it has caught the stop, rank 1 not watching its launcher (it learns of a launcher's death from rank 0); at
+    the 5th log line `signum` goes to torchrun alone, or to torchrun and every rank at once (what `scancel --signal`
+    and Slurm's time limit do). -> (torchrun's stdout, the checkpoint's step); asserts that no process is left."""
+    gate = out.parent / f"{out.name}_held.py"
+    gate.write_text(f"import os, sys, time; sys.path.insert(0, {ROOT!r}); import train\nstops = []\n"
+                    "real_init, real_step = train.StopSignals.__init__, train.train_step\n"
+                    "def init(self, *a, **k):\n    real_init(self, *a, **k); stops.append(self)\n"
+                    "def step(run, *a):\n    while run.step == 5 and run.rank == 0 and not stops[0].caught:\n"
+                    "        time.sleep(0.05)\n    return real_step(run, *a)\n"
+                    "train.StopSignals.__init__, train.train_step = init, step\n"
+                    "if os.environ['RANK'] == '1': train.StopSignals.watch = lambda self, launcher: None\n"
+                    "train.main()\n")
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          free_port(), "train.py", *flags, "--out", str(out)], cwd=ROOT, text=True,
+                          free_port(), str(gate), *flags, "--out", str(out)], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_for_log_lines(out / "log.jsonl", 5)
     pids = lambda *a: [int(pid) for pid in subprocess.run(["pgrep", *a], capture_output=True, text=True).stdout.split()]
@@ -2807,11 +2817,9 @@ def test_usr1_to_plain_torchrun_checkpoints_every_rank_and_the_resumed_run_is_ex
                                                                                    uninterrupted_two_ranks):
     flags, b = STOPPED + ["--dist", "ddp"], tmp_path / "b"
     said, stopped = launch_and_signal(b, flags, signal.SIGUSR1)  # torchrun dies of it: its ranks see it die
-    assert 5 <= stopped < 100, said[-3000:]
-    for rank in (0, 1):  # a rank that had not yet seen its launcher die learns it from the others' all-reduce
-        assert re.search(rf"rank {rank}: caught (the death of its launcher \(pid \d+\)|a signal sent to another "
-                         rf"rank), stopping after step {stopped}\b", said), said[-3000:]
-    assert "caught the death of its launcher" in said
+    assert stopped == 6, said[-3000:]  # the step rank 0 held: the stop comes at the next log step
+    assert re.search(r"rank 0: caught the death of its launcher \(pid \d+\), stopping after step 6\b", said)
+    assert "rank 1: caught a signal sent to another rank, stopping after step 6" in said  # by the all-reduce
     assert f"checkpoint written at step {stopped}" in said
     assert "resumed from" in ranks(flags + ["--out", str(b), "--auto-resume"])
     assert_same_run(torch.load(b / "ckpt.pt", weights_only=True), uninterrupted_two_ranks)
@@ -2822,7 +2830,7 @@ def test_a_signal_to_torchrun_or_to_every_process_ends_in_one_checkpoint_and_no_
                                                                                       signame, to_all):
     flags = STOPPED + ["--steps", "100000", "--ckpt-every", "100000", "--dist", "ddp"]
     said, stopped = launch_and_signal(tmp_path / "run", flags, getattr(signal, signame), to_all)
-    assert stopped >= 5 and f"checkpoint written at step {stopped}" in said, said[-3000:]
+    assert stopped == 6 and f"checkpoint written at step {stopped}" in said, said[-3000:]  # (where rank 0 held)
     assert "exiting at once" not in said  # one event, seen by each rank once or twice, is not a second signal
 
 
