@@ -213,6 +213,12 @@ def resolve_shards(data, image_size):
     return paths
 
 
+def source(folder):
+    """--data -> the data it was made from: a precomputed or pair folder's source (its precompute.json), else itself."""
+    made = read_json(os.path.join(folder, "precompute.json")) if os.path.isdir(folder) else None
+    return made["source"] if made else folder
+
+
 def worker_shards(shards, seed, epoch, rank, world, wid, nw):
     """The shards one (rank, loader worker) reads in this epoch: one shuffle shared by all ranks, disjoint slices."""
     order = list(shards)
@@ -230,10 +236,12 @@ def read_tars(urls, handler=wds.reraise_exception):
 
 def decode(s, sizes):
     """Tar sample -> raw {image (3, H, W), caption, bucket}, bucket = (W, H) the `sizes` entry nearest its aspect ratio,
-    or precomputed {latent, text, mask} (square: sizes[0]); None and a warning for a bad one: skipped, not a crash."""
+    or precomputed {latent, text, mask} (square: sizes[0]), reflow's pairs with their noise too; None and a warning
+    for a bad one: skipped, not a crash."""
     try:
         if "latent.npy" in s:  # written by `python data.py precompute`: the frozen encoders already ran
-            arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in ("latent", "text", "mask")}
+            keys = ("latent", "text", "mask") + ("noise",) * ("noise.npy" in s)  # (+ noise: `sample.py --pairs`)
+            arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in keys}
             if arr["text"].shape[0] != arr["mask"].shape[0]:
                 raise ValueError("text.npy and mask.npy disagree in length")
             return dict(arr, bucket=sizes[0])
@@ -264,7 +272,8 @@ def collate(items):
     if "image" in items[0]:
         return dict(image=torch.stack([x["image"] for x in items]), caption=[x["caption"] for x in items])
     text, mask = model.pad([x["text"] for x in items], [x["mask"] for x in items])
-    return dict(latent=torch.stack([x["latent"] for x in items]), text=text, mask=mask)
+    noise = torch.stack([x["noise"] for x in items]) if "noise" in items[0] else None
+    return dict(latent=torch.stack([x["latent"] for x in items]), text=text, mask=mask, noise=noise)
 
 
 class ShardStream(torch.utils.data.IterableDataset):

@@ -135,11 +135,13 @@ def print_scores(scores, n, how):
     if "top1" not in scores:
         return print(f"caption accuracy of {n} samples of held-out prompts ({how}): " +
                      " ".join(f"{k} {p(k)}" for k in ("color", "shape", "position", "all")) +
-                     "".join(f" | {k}: all {100 * v['all']:.1f}%" for k, v in scores.items() if isinstance(v, dict)))
+                     "".join(f" | {k}: all {100 * v['all']:.1f}%" for k, v in scores.items() if isinstance(v, dict)) +
+                     f" | straightness {scores['straightness']:.4f}")
     fid = f" | FID {scores['fid']:.1f}, KID {scores['kid']:.4f} (NameNet features)" if "fid" in scores else ""
     print(f"{n} samples of the held-out wording ({how}): retrieval top-1 {p('top1')} top-5 {p('top5')} (chance "
           f"{p('chance1')} / {p('chance5')}; the real pictures' near misses {p('ceiling_top1')} / "
-          f"{p('ceiling_top5')}) | sharpness {scores['sharpness']:.2f}x the real pictures'{fid}")
+          f"{p('ceiling_top5')}) | sharpness {scores['sharpness']:.2f}x the real pictures'{fid} | straightness "
+          f"{scores['straightness']:.4f}")
 
 
 # ==== What a first read may skip: NameNet and its training views, the real pictures, loading the networks =========

@@ -269,7 +269,7 @@ def upcycle(model, dense_state):
     state, moes = model.state_dict(), {k: m for k, m in model.named_modules() if isinstance(m, MoE)}
     mlps = {f"{k}.{w}.{p}" for k in moes for w in ("w13", "w2") for p in ("weight", "bias")}  # become the experts
     if unknown := sorted(set(dense_state) - set(state) - mlps):
-        raise SystemExit(f"--upcycle: not a dense checkpoint of this model.py (tensors {', '.join(unknown[:3])} ...)")
+        raise SystemExit(f"--init: not a dense checkpoint of this model.py (tensors {', '.join(unknown[:3])} ...)")
     copied = {k: v for k, v in dense_state.items() if k in state and state[k].shape == v.shape}
     state.update(copied)
     for name, m in moes.items():

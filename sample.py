@@ -21,7 +21,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import webdataset as wds
 from PIL import Image
+from tqdm import tqdm
 
 import data
 import eval
@@ -43,6 +45,8 @@ def get_args(argv=None):
     a("--cfg", type=float, default=2.0, help="classifier-free guidance scale w (1 = none, 0 = ignore the caption)")
     a("--seed", type=int, default=0, help="noise seed (same seed, same pictures)")
     a("--out", help="PNG path (default: next to the checkpoint)")
+    a("--pairs", type=int, metavar="N", help="reflow (flow.py): N pairs (noise, its sample, a caption of the run's "
+      "data) into shards in the folder --out, for train.py --data OUT --init CKPT; rerun to resume")
     a("--eval", action="store_true", help="score samples (judge, names set, --real, --clip-model); last line: JSON")
     a("--eval-n", type=int, default=2, help="--eval: samples per colour x shape x position, or per name")
     a("--real", help="--eval: raw shards {jpg|png, txt}: FID + IS of samples of their captions against their images")
@@ -59,6 +63,8 @@ def get_args(argv=None):
         return args
     if not args.ckpt or not os.path.exists(args.ckpt):
         p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) or point to <out>/ckpt.pt")
+    if args.pairs and not args.out:
+        p.error("--pairs N: name the folder of the pairs' shards with --out, e.g. --out data/pairs")
     if (args.real or args.clip_model) and not args.eval:
         p.error("--real and --clip-model are scores: add --eval")
     if args.size:
@@ -83,16 +89,26 @@ def load(path, raw=False):
     return model.eval().requires_grad_(False), TextEncoder(ckpt["args"]["text_encoder"], device=dev), ckpt["args"]
 
 
+def noise(model, n, seed, size=None, factor=1):
+    """The noise samples i.. of a call start from: (n, C, h, w) drawn from `seed` + i on the CPU (the same pictures on
+    any device), on the model's device; `size` (W, H) in pixels (default: the training square), `factor`: the VAE's."""
+    W, H = size or (model.n_side * model.p * factor,) * 2
+    shape = (n, model.C, H // factor, W // factor)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).device)
+
+
 @torch.no_grad()
 def sample_images(model, encoder, vae, captions, steps, cfg, seed, shift=1.0, batch=256, size=None):
-    """Captions -> samples (N, 3, H, W) in [-1, 1] on the CPU, (W, H) = `size` in pixels (default: the training square),
-    in batches whose noise comes from seed + i."""
-    factor, dev = vae.factor if vae else 1, next(model.parameters()).device  # (pixels per latent)
-    W, H = size or (model.n_side * model.p * factor,) * 2
-    shape = (model.C, H // factor, W // factor)
-    batches = (flow.generate(model, encoder, captions[i:i + batch], steps, cfg, seed + i, shape, dev, shift)
-               for i in range(0, len(captions), batch))  # (lazy: one batch in memory at a time)
-    return torch.cat([(x if vae is None else vae.decode(x)).cpu() for x in batches])
+    """Captions -> (samples (N, 3, H, W) in [-1, 1] on the CPU, their paths' straightness (N,): flow.euler's), in
+    batches whose noise() comes from seed + i."""
+    images, straightness = [], []
+    for i in range(0, len(captions), batch):  # (one batch on the device at a time)
+        part = captions[i:i + batch]
+        start = noise(model, len(part), seed + i, size, vae.factor if vae else 1)
+        x, path = flow.generate(model, encoder, part, start, steps, cfg, shift)
+        images.append((x if vae is None else vae.decode(x)).cpu())
+        straightness.append(path.cpu())
+    return torch.cat(images), torch.cat(straightness)
 
 
 def save_grid(images, path, nrow=8, scale=2):
@@ -125,7 +141,8 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
         captions = [names["heldout"].format(name=names["names"][i]) for i in want]
     else:
         captions, attrs = map(list, zip(*data.heldout_prompts(n_each)))  # (caption, attributes) pairs, unzipped
-    fake = as_uint8(sample_images(model, encoder, vae, captions, steps, cfg, seed, shift, batch, size))
+    fake, straightness = sample_images(model, encoder, vae, captions, steps, cfg, seed, shift, batch, size)
+    fake = as_uint8(fake)
     if grid is None:
         return None, fake, captions
     images = None if names else [to_pil(x) for x in fake]  # (the judge reads PIL images)
@@ -136,9 +153,38 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
             save_grid(images[:len(images) // n_each], grid, nrow=len(data.SHAPES) * len(data.POSITIONS))
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {grid} not written ({e}); going on", file=sys.stderr)
-    if names:
-        return eval.retrieval_scores(fake, want, names, fid), fake, captions
-    return eval.judge_accuracy(images, attrs) if judge else None, fake, captions
+    scores = eval.retrieval_scores(fake, want, names, fid) if names else eval.judge_accuracy(images, attrs) if judge \
+        else None
+    return scores and dict(scores, straightness=straightness.mean().item()), fake, captions
+
+
+# ---- Reflow's pairs: the trained model's own couplings of noise and picture (flow.py) -------------------------------
+@torch.no_grad()
+def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
+    """(noise, the model's sample from it, its caption) -> shards of `batch` pairs in data.py precompute's format plus
+    the noise: {latent.npy: the sample (model space), noise.npy, text.npy, mask.npy, txt}. Shard k holds pairs from
+    k * batch on, drawn from noise(seed + k * batch): a rerun skips the shards written (each under its final name only
+    once whole) and draws the rest the same. `about` goes to precompute.json (train.py checks it)."""
+    old = data.read_json(os.path.join(out, "precompute.json"))
+    if old not in (None, about):  # resuming must not mix two models' pairs
+        raise SystemExit(f"{out} holds pairs drawn with {old}; rerun with those flags, or write a new folder")
+    os.makedirs(out, exist_ok=True)
+    data.write_json(os.path.join(out, "precompute.json"), about)
+    path = lambda first: os.path.join(out, f"pairs-{first // batch:05d}.tar")
+    todo = [first for first in range(0, len(captions), batch) if not os.path.exists(path(first))]
+    for first in tqdm(todo, desc=f"reflow pairs -> {out}", unit="shard"):
+        part = captions[first:first + batch]
+        eps = noise(model, len(part), seed + first, factor=model.vae.factor if model.vae else 1)  # (B, C, h, w)
+        x0, _ = flow.generate(model, encoder, part, eps, steps, cfg, model.t_shift)
+        text, mask = encoder(part)
+        with wds.TarWriter(path(first) + ".tmp", mtime=0) as sink:
+            for j, caption in enumerate(part):
+                n = int(mask[j].sum())  # (the real tokens, as precompute keeps them)
+                sink.write({"__key__": f"{first + j:08d}", "latent.npy": x0[j].cpu().half().numpy(),
+                            "noise.npy": eps[j].cpu().half().numpy(), "text.npy": text[j, :n].cpu().half().numpy(),
+                            "mask.npy": mask[j, :n].cpu().numpy(), "txt": caption})
+        os.replace(path(first) + ".tmp", path(first))
+    print(f"{len(captions)} pairs in {out}: train on them with python train.py --data {out} --init {about['pairs']}")
 
 
 def main(argv=None):
@@ -148,6 +194,14 @@ def main(argv=None):
         return print(f"{os.path.join(args.plot, 'loss.png')} drawn from its log.jsonl")
     model, encoder, targs = load(args.ckpt, args.raw)
     out = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default: beside the checkpoint
+    if args.pairs:  # captions of the run's own data, shuffled by the seed, as many times over as N needs
+        source = data.source(targs["data"])
+        captions = [s["txt"].decode() for s in data.read_tars(data.resolve_shards(source, targs["image_size"]))]
+        random.Random(args.seed).shuffle(captions)
+        about = dict(vae=targs["vae"], text_encoder=targs["text_encoder"], image_size=targs["image_size"],
+                     source=source, pairs=args.ckpt, steps=args.steps, cfg=args.cfg, seed=args.seed)
+        return write_pairs(model, encoder, [captions[i % len(captions)] for i in range(args.pairs)], args.out,
+                           args.steps, args.cfg, args.seed, args.batch, about)
     if args.routing:
         return routing_maps(model, encoder, targs["image_size"], args.out or os.path.dirname(args.ckpt), args.seed)
     m = model.p * (model.vae.factor if model.vae else 1)  # a patch, in pixels
@@ -156,7 +210,7 @@ def main(argv=None):
                          f"pixels (its patch, times the VAE's factor), up to {model.n_max * m}; it was trained at "
                          + " ".join("%dx%d" % tuple(b) for b in model.buckets or [(model.n_side * m,) * 2]))
     samples_of = lambda captions: as_uint8(sample_images(model, encoder, model.vae, captions, args.steps, args.cfg,
-                                                         args.seed, model.t_shift, args.batch, args.size))  # uint8
+                                                         args.seed, model.t_shift, args.batch, args.size)[0])
     if not args.eval:
         prompts = args.prompt or ["a red circle in the top left", "a blue square in the center",
                                   "a yellow triangle in the bottom right", "a white circle in the top right"]

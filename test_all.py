@@ -472,9 +472,9 @@ def test_time_shift_distribution_and_contrast_reach_the_training_step_and_the_sa
     assert torch.equal(flow.sample_t(1000, "logit-normal", g1, shift=3.0),
                        flow.shift_t(flow.sample_t(1000, "logit-normal", g2), 3.0))
     seen = []  # the Euler grid is the shifted one, and its steps add up to exactly -1
-    x = flow.euler(lambda x, t: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2), 8, shift=3.0)
+    x, _ = flow.euler(lambda x, t: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2, 1), 8, shift=3.0)
     assert torch.allclose(torch.tensor(seen), flow.shift_t(torch.linspace(1, 0, 9)[:-1], 3.0))
-    assert torch.allclose(x, torch.full((2,), -1.0)), "the grid must end at t = 0"
+    assert torch.allclose(x, torch.full((2, 1), -1.0)), "the grid must end at t = 0"
     times, real_forward = [], DiT.forward  # the times the model is fed, in training and in sampling
     monkeypatch.setattr(DiT, "forward", lambda self, x, t, *a: times.append(t.detach().float()) or
                         real_forward(self, x, t, *a))
@@ -504,20 +504,36 @@ def test_time_shift_distribution_and_contrast_reach_the_training_step_and_the_sa
                            "--resume"])
 
 
-def test_euler_with_the_exact_field_maps_gaussian_noise_to_the_data_gaussian():
-    mu, sigma = 2.0, 0.5  # data x0 ~ N(mu, sigma^2); noise N(0, 1)
+def test_euler_with_the_exact_field_maps_gaussian_noise_to_the_data_gaussian_and_reflow_makes_it_straight():
+    """Data x0 ~ N(mu, sigma^2), noise N(0, 1). Independent pairs: the exact field E[eps - x0 | z_t] bends its paths,
+    so 2 Euler steps miss; the pairs of a reflow, x0 = mu + sigma eps (the map that flow draws), have a field that is
+    constant along each path: straightness 0, one step exact (flow.py)."""
+    mu, sigma = 2.0, 0.5
 
-    def exact_velocity(z, t):  # E[eps - x0 | z_t = z] for Gaussian data, in closed form
+    def exact_velocity(z, t):  # E[eps - x0 | z_t = z] for Gaussian data and independent noise, in closed form
         t = t.view(-1, 1)
         m, s = (1 - t) * mu, torch.sqrt((1 - t) ** 2 * sigma ** 2 + t ** 2)
         ds = (-(1 - t) * sigma ** 2 + t) / s
         return -mu + ds / s * (z - m)
 
+    def reflowed_velocity(z, t):  # eps - x0 for the pairs x0 = mu + sigma eps: eps = (z - (1 - t) mu) / (1 - t + t / sigma)
+        t = t.view(-1, 1)
+        return (1 - sigma) * (z - (1 - t) * mu) / ((1 - t) * sigma + t) - mu
+
     z1 = torch.randn(50000, 1, generator=torch.Generator().manual_seed(0))
-    x = flow.euler(exact_velocity, z1, steps=200)
+    x, curved = flow.euler(exact_velocity, z1, steps=200)
     assert abs(x.mean() - mu) < 0.02 and abs(x.std() - sigma) < 0.02
-    coarse = flow.euler(exact_velocity, z1, steps=2)  # too few steps is measurably off
+    coarse, _ = flow.euler(exact_velocity, z1, steps=2)  # too few steps is measurably off
     assert abs(coarse.std() - sigma) > 0.05
+    seen = []  # the straightness is the integral of || (x1 - x0) - v ||^2 along the path, on the sampler's own steps
+    x, bent = flow.euler(lambda z, t: seen.append(exact_velocity(z, t)) or seen[-1], z1, steps=8)
+    ts = torch.linspace(1, 0, 9)
+    assert torch.allclose(bent, sum((ts[k] - ts[k + 1]) * ((z1 - x) - v) ** 2 for k, v in enumerate(seen))[:, 0],
+                          atol=1e-5)
+    assert curved.mean() > 0.01
+    one, straight = flow.euler(reflowed_velocity, z1, steps=1)
+    assert torch.allclose(one, mu + sigma * z1, atol=1e-6) and straight.abs().max() < 1e-6
+    assert flow.euler(reflowed_velocity, z1, steps=8)[1].abs().max() < 1e-5
 
 
 def test_cfg_with_w_1_is_the_conditional_prediction_and_uses_one_batched_forward():
@@ -967,10 +983,10 @@ def test_sample_eval_prints_the_scores_train_py_gave_the_same_samples(trained16,
     assert Image.open(tmp_path / "g.png").size == (3 * 16 * 2, 16 * 2)
     # --batch 2: two chunks, the second with the noise of --seed + 2; the grid is exactly these samples
     model, encoder, _ = sample.load(ckpt)
-    drawn = sample.sample_images(model, encoder, None, ["a red circle"] * 3, 2, 2.0, 7, model.t_shift, batch=2)
+    drawn = sample.sample_images(model, encoder, None, ["a red circle"] * 3, 2, 2.0, 7, model.t_shift, batch=2)[0]
     sample.save_grid([data.to_pil(x) for x in data.as_uint8(drawn)], str(tmp_path / "h.png"), nrow=3)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "g.png")), np.asarray(Image.open(tmp_path / "h.png")))
-    last = sample.sample_images(model, encoder, None, ["a red circle"], 2, 2.0, 9, model.t_shift)
+    last = sample.sample_images(model, encoder, None, ["a red circle"], 2, 2.0, 9, model.t_shift)[0]
     assert torch.equal(drawn[2:], last) and not torch.equal(drawn[:1], last)
 
 
@@ -1000,7 +1016,7 @@ def synthetic_step_inputs(S, n=16):
     """A fixed batch of random images and caption states for calling train.train_step directly."""
     g = torch.Generator().manual_seed(0)
     x0, text = torch.randn(n, 3, 16, 16, generator=g), torch.randn(n, 7, S.config["text_dim"], generator=g)
-    return [(x0, text, torch.ones(n, 7, dtype=torch.bool))]
+    return [(x0, text, torch.ones(n, 7, dtype=torch.bool), None)]
 
 
 def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero():
@@ -1099,7 +1115,7 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
     for load in (lambda: train.main(flags + ["--resume"]), lambda: sample.load(path)):
         with pytest.raises(SystemExit, match="written by another version of model.py .tensors blocks.0.c.ada.bias"):
             load()
-    upcycle = TINY + ["--image-size", "16", "--steps", "1", "--moe", "2", "--upcycle", path, "--out",
+    upcycle = TINY + ["--image-size", "16", "--steps", "1", "--moe", "2", "--init", path, "--out",
                       str(tmp_path / "u")]
     for layout in ("none", 1):  # today's names, another layer (one residual a stream): loaded, it would mean nonsense
         torch.save({k: v for k, v in ckpt.items() if k != "layout"} | ({"layout": layout} if layout != "none" else {}),
@@ -1113,28 +1129,33 @@ def test_resume_refuses_another_model_or_another_world_size(tmp_path):
         train.main(flags + ["--steps", "3", "--override", "steps", "--resume"])
 
 
-def test_upcycle_run_starts_from_the_dense_parent_end_to_end(tmp_path, builtin16, monkeypatch):
+def test_init_starts_a_run_from_its_parent_the_same_model_or_upcycled_and_refuses_another(tmp_path, builtin16,
+                                                                                          monkeypatch):
     dense = str(tmp_path / "dense")
-    train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", dense])
-    parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)["ema"]
+    train.main(TINY + ["--image-size", "16", "--steps", "3", "--ema", "0.9", "--out", dense])
+    parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)["ema"]  # (the EMA: what drew its samples)
     model = tiny_model(width=32, text_dim=384)
     model.load_state_dict(parent)
     firsts, real = [], train.train_step
 
-    def step(S, args, micro, *a):  # before the first update the MoE model predicts what its parent does
+    def step(S, args, micro, *a):  # before the first update the child predicts what its parent does
         if S.step == 0:
-            x0, text, mask = micro[0]
+            x0, text, mask, _ = micro[0]
             inputs = (torch.randn_like(x0), torch.rand(x0.shape[0]), text, mask)
             firsts.append(torch.allclose(S.model(*inputs), model(*inputs), atol=1e-5))
         return real(S, args, micro, *a)
     monkeypatch.setattr(train, "train_step", step)
-    out = str(tmp_path / "moe")
-    train.main(TINY + ["--image-size", "16", "--steps", "3", "--moe", "4", "--upcycle", os.path.join(dense, "ckpt.pt"),
-                       "--expert-hidden", str(moe.dense_hidden(32)), "--out", out])
-    assert firsts == [True]
-    sparse = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model"]
+    child = lambda name, *flags: train.main(TINY + ["--image-size", "16", "--steps", "3", "--init",
+                                                    os.path.join(dense, "ckpt.pt"), *flags, "--out",
+                                                    str(tmp_path / name)])
+    child("same")  # reflow's way: the same model, a new run
+    child("moe", "--moe", "4", "--expert-hidden", str(moe.dense_hidden(32)))  # DiT-MoE's upcycling
+    assert firsts == [True, True]
+    sparse = torch.load(tmp_path / "moe" / "ckpt.pt", weights_only=True)["model"]
     assert sparse["blocks.0.x.mlp.w13"].shape[0] == 4 and not torch.equal(sparse["blocks.0.x.mlp.w13"][0],
                                                                           parent["blocks.0.x.mlp.w13.weight"].T)
+    with pytest.raises(SystemExit, match=r"--init .*: another model \(width 32 there, 64 here\): pass its flags"):
+        child("wider", "--width", "64")
 
 
 @pytest.mark.xdist_group("trained16")
@@ -1246,13 +1267,13 @@ def test_the_training_step_never_makes_the_host_wait_for_the_device(impl, monkey
     g = torch.Generator().manual_seed(0)
     x0, text = torch.randn(16, 3, 16, 16, generator=g), torch.randn(16, 7, S.config["text_dim"], generator=g)
     mask = torch.ones(16, 7, dtype=torch.bool)
-    train.train_step(S, args, [(x0, text, mask)])
+    train.train_step(S, args, [(x0, text, mask, None)])
     tolist, real = [], torch.Tensor.tolist  # .tolist() reads CPU memory directly, past the dispatcher: catch it
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist.append(1) or real(self))
     with HostReads() as reads:
         for _ in range(2):
             x0[0, 0, 0, 0] = float("nan") if _ else 0.0  # a bad step too: skipped on the device
-            st = train.train_step(S, args, [(x0, text, mask)])
+            st = train.train_step(S, args, [(x0, text, mask, None)])
     monkeypatch.undo()
     if impl == "sorted":  # the CPU dispatch reads its group sizes: the detector must see that
         assert tolist or reads.seen
@@ -2255,7 +2276,7 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     model, encoder, _ = sample.load(os.path.join(out, "ckpt.pt"))
     real, captions = eval.real_images(str(shards), 16, 10, 0)
     drawn = lambda cfg, words: data.as_uint8(sample.sample_images(model, encoder, None, words, 2, cfg, 0,
-                                                                   model.t_shift))
+                                                                   model.t_shift)[0])
     fake, nets = drawn(2.0, captions), eval.feature_nets(str(tmp_path / "f.pt"))
     by_hand = eval.fid_is(real, fake, nets)
     assert by_hand["fid"] > 0.01 and all(math.isclose(scores[k], by_hand[k], rel_tol=1e-5)  # (KID: random subsets)
@@ -2469,7 +2490,7 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     want = torch.arange(8).repeat_interleave(2)
     heldout = lambda which: [names["heldout"].format(name=names["names"][i]) for i in which]
     drawn = lambda cfg, which: data.as_uint8(sample.sample_images(model, encoder, None, heldout(which), 2, cfg, 0,
-                                                                  model.t_shift))
+                                                                  model.t_shift)[0])
     by_hand = eval.retrieval_scores(drawn(2.0, want), want, names, fid=True)
     assert all(math.isclose(scores[k], by_hand[k], rel_tol=1e-6) for k in ("top1", "top5", "sharpness", "fid"))
     for cfg, which in ((0.0, want), (2.0, want.roll(2))):  # the caption ignored, or other names: other samples
@@ -2489,11 +2510,11 @@ def poison(monkeypatch, which):
 
     def encode(S, b):
         n[0] += 1
-        x0, text, mask = real(S, b)
+        x0, text, mask, noise = real(S, b)
         if which(n[0]):
             x0 = x0.clone()
             x0[0, 0, 0, 0] = float("nan")
-        return x0, text, mask
+        return x0, text, mask, noise
     monkeypatch.setattr(train, "encode_batch", encode)
 
 
@@ -2545,14 +2566,14 @@ def test_ddp_a_nan_on_one_rank_skips_the_step_on_every_rank_and_each_rank_reads_
     real, n = train.encode_batch, [0]
 
     def enc(S, b):  # (each forked rank counts in its own copy of n)
-        x0, text, mask = real(S, b)
+        x0, text, mask, noise = real(S, b)
         n[0] += 1
         with open(tmp_path / f"captions{S.rank}.json", "a") as f:
             f.write(json.dumps(b["caption"]) + "\n")
         if S.rank == 1 and n[0] == 3:
             x0 = x0.clone()
             x0[0, 0, 0, 0] = float("inf")
-        return x0, text, mask
+        return x0, text, mask, noise
     monkeypatch.setattr(train, "encode_batch", enc)
     said = ranks(TINY + ["--image-size", "16", "--steps", "5", "--batch-size", "8", "--workers", "1", "--dist", "ddp",
                          "--out", str(tmp_path / "run")])
@@ -2840,7 +2861,7 @@ def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
     hidden = str(moe.dense_hidden(32))
     flags = TINY + ["--image-size", "16", "--steps", "1", "--lr", "1e-12", "--warmup", "1", "--batch-size", "8",
                     "--workers", "1", "--moe", "4", "--expert-hidden", hidden,
-                    "--upcycle", os.path.join(dense, "ckpt.pt"),
+                    "--init", os.path.join(dense, "ckpt.pt"),
                     "--dist", "deepspeed", "--out", str(tmp_path / "up")]
     assert "upcycled from" in ranks(flags)
     parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)

@@ -31,6 +31,7 @@ from data import append_json, atomic_write, read_json, write_json
 from model import MODELS, DiT, TextEncoder, count_params, device, load_vae, preset
 
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"  # the run folder's latest checkpoint and the one before it
+model_of = lambda config: {k: v for k, v in config.items() if k not in ("attn", "moe_impl")}  # not how it computes
 holds_checkpoint = lambda out: any(os.path.exists(os.path.join(out, f)) for f in (CKPT, PREV))  # a run is there
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")  # they define the stream a Position points into
 TRAJECTORY = DATA_FLAGS + ("steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop", "ema", "precision",
@@ -42,6 +43,8 @@ def get_parser():
     p = argparse.ArgumentParser(description="Train a text-to-image MM-DiT with rectified flow.")
     a = p.add_argument
     a("--data", default=data.BUILTIN, help="shards (a folder or a.tar,b.tar), 'builtin' or 'builtin-mixed' (5 aspects)")
+    a("--init", help="a checkpoint whose (EMA) weights a new run starts from: the same model (reflow on its "
+      "sample.py --pairs), or a dense one for an --moe run (upcycled: every expert a copy of its MLP)")
     a("--text-encoder", default="minilm", help="'minilm' (offline, a pip package) or a CLIP hub id or folder")
     a("--text-cache", type=int, default=100_000, help="distinct captions whose states stay cached (CPU, fp16)")
     a("--vae", default="none", help="'none' = pixels, or a frozen diffusers AutoencoderKL: hub id or folder")
@@ -60,7 +63,6 @@ def get_parser():
     a("--balance", default="aux", choices=["aux", "bias"], help="Switch's balance loss, or DeepSeek-V3's bias")
     a("--bias-rate", type=float, default=0.001, help="--balance bias: how far a step moves a bias (gamma)")
     a("--ep", type=int, default=1, help="expert parallelism (torchrun): each rank holds --moe / this many experts")
-    a("--upcycle", help="a dense checkpoint to start an --moe run from (every expert a copy of its MLP)")
     a("--steps", type=int, default=1000, help="optimizer steps")
     a("--batch-size", type=int, default=64, help="images per micro-batch per rank")
     a("--grad-accum", type=int, default=1, help="micro-batches per step: global batch = batch-size x this x ranks")
@@ -106,8 +108,8 @@ def get_args(argv=None, parser=None):
         p.error(f"--width {args.width} must be a multiple of 4 and of --heads {args.heads} with an even head size")
     if args.moe and not 1 <= args.topk <= args.moe:
         p.error(f"--topk {args.topk} must be between 1 and --moe {args.moe}")
-    if args.upcycle and not (args.moe and os.path.exists(args.upcycle)):
-        p.error("--upcycle needs --moe E and an existing dense checkpoint (e.g. out/run/ckpt.pt)")
+    if args.init and not os.path.exists(args.init):
+        p.error(f"--init {args.init}: no such checkpoint (e.g. out/run/ckpt.pt)")
     if args.grad_accum < 1 or not 0 <= args.cfg_drop <= 1:
         p.error("--grad-accum must be at least 1 and --cfg-drop in [0, 1]")
     if args.dist != "none" and "RANK" not in os.environ:
@@ -275,6 +277,24 @@ class Run:
     t_start: float = 0.0           # time.time() at start-up
 
 
+def init_weights(model, config, path, dev, rank):
+    """--init: a checkpoint's EMA weights into a new run's model: the same model (reflow), or an --moe model from a
+    dense one (DiT-MoE's upcycling, moe.upcycle); any other model is refused, naming what differs."""
+    parent = torch.load(path, map_location=dev, weights_only=True)
+    DiT.check_layout(parent, path)
+    if config["moe"] and not parent["config"]["moe"]:
+        copied = moe.upcycle(model, parent["ema"])
+        said = f"upcycled from {path}: {copied} tensors copied, every expert = the dense MLP, routers fresh"
+    else:
+        if differ := {k: (v, config[k]) for k, v in model_of(parent["config"]).items() if config[k] != v}:
+            raise SystemExit(f"--init {path}: another model (" + ", ".join(f"{k} {a} there, {b} here" for k, (a, b)
+                             in differ.items()) + "): pass its flags (its args.json), or --moe E to upcycle a dense one")
+        model.load_weights(parent["ema"], path)
+        said = f"initialised from {path}: its EMA weights"
+    if rank == 0:
+        print(said)
+
+
 def setup(args, shape=None):
     """Device, process group, seeds, encoder, model, EMA, optimizer, schedule, engine -> the Run (profile: `shape`)."""
     dev, rank, local_rank, world = device(), 0, 0, 1
@@ -302,12 +322,8 @@ def setup(args, shape=None):
         config.update(in_channels=shape[0], image_size=shape[1], text_dim=shape[2])
     model = DiT(**config).to(dev)
     model.grad_ckpt = args.grad_ckpt  # (how it computes, not what: not part of the config)
-    if args.upcycle and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
-        parent = torch.load(args.upcycle, map_location=dev, weights_only=True)
-        DiT.check_layout(parent, args.upcycle)
-        copied = moe.upcycle(model, parent["ema"])
-        if rank == 0:
-            print(f"upcycled from {args.upcycle}: {copied} tensors copied, every expert = the dense MLP, routers fresh")
+    if args.init and not args.resume:  # before the optimizer (and ZeRO's fp32 master copy) take the weights
+        init_weights(model, config, args.init, dev, rank)
     ema = copy.deepcopy(model).requires_grad_(False) if args.ema else model
     copies = [model, ema] if args.ema else [model]
     moe.shard_experts(copies, args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
@@ -343,13 +359,16 @@ def start(args):
     if pre and (pre["vae"], pre["text_encoder"], pre["image_size"]) != (args.vae, args.text_encoder, args.image_size):
         raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
                          f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
+    if pre and pre.get("pairs") and not (args.init or args.resume):  # (reflow: flow.py)
+        raise SystemExit(f"{args.data} holds reflow pairs drawn from {pre['pairs']}: train on them from that model, "
+                         f"--init {pre['pairs']}")
     run = setup(args)
     run.shards, run.t_start = shards, time.time()
     run.judged = data.BUILTIN in (args.data, (pre or {}).get("source")) or args.data == data.MIXED  # (it knows these)
     run.buckets = data.bucket_shares(shards, args.image_size, args.patch * (run.vae.factor if run.vae else 1))
     master = run.rank == 0  # only rank 0 prints, logs, scores samples and writes files
     draws = master or run.engine.sharded  # (FSDP: every rank runs the sampling forwards)
-    run.names = eval.names_set(args.data, args.image_size) if draws and not pre else None  # retrieval scores
+    run.names = eval.names_set(data.source(args.data), args.image_size) if draws else None  # retrieval scores
     run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
@@ -376,9 +395,9 @@ def start(args):
 
 # ---- One training step ----------------------------------------------------------------------------------------------
 def train_step(run, args, micro_batches, mark=None):
-    """One optimizer step over this rank's micro-batches [(x0, text, mask)]: times, noise and caption drops drawn for
-    the global batch (every rank draws all and keeps its slice, so a run does not depend on how the batch is split)
-    -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (but
+    """One optimizer step over this rank's micro-batches [(x0, text, mask, noise)]: times, noise (unless a reflow pair
+    brings its own) and caption drops drawn for the global batch (every rank draws all and keeps its slice, so a run
+    does not depend on how the batch is split) -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (but
     DeepSpeed's norm). A non-finite loss or gradient norm changes no weight, moment or EMA; it takes its step number."""
     mark = mark or (lambda phase: None)  # (profile.py times the phases)
     dev, per_rank = run.dev, micro_batches[0][0].shape[0]  # images in one micro-batch of one rank
@@ -387,11 +406,11 @@ def train_step(run, args, micro_batches, mark=None):
     keep = torch.rand(global_batch, generator=run.gen, device=dev) >= args.cfg_drop  # False: the null caption
     t_all = flow.sample_t(global_batch, args.t_dist, run.gen, dev, args.t_shift)
     loss, balance, t, per_sample = 0, 0, [], []
-    for i, (x0, text, mask) in enumerate(micro_batches):
+    for i, (x0, text, mask, noise) in enumerate(micro_batches):
         mine = slice(i * per_micro + run.rank * per_rank, i * per_micro + (run.rank + 1) * per_rank)
         text, mask = flow.drop_captions(text, mask, keep[mine])
         eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)  # (this bucket's shape)
-        eps = eps[run.rank * per_rank:(run.rank + 1) * per_rank]
+        eps = eps[run.rank * per_rank:(run.rank + 1) * per_rank] if noise is None else noise  # reflow: its pair's
         with run.engine.micro_batch(last=i == len(micro_batches) - 1):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.engine.forward, x0, text, mask, t_all[mine], eps, args.contrast)
@@ -421,11 +440,13 @@ def train_step(run, args, micro_batches, mark=None):
 
 
 def encode_batch(run, batch):
-    """A loader batch -> (x0, text, mask) on the device, through the frozen VAE and text encoder (or precomputed)."""
+    """A loader batch -> (x0, text, mask, noise) on the device, through the frozen VAE and text encoder (or
+    precomputed); noise: a reflow pair's, else None (the step draws it)."""
     if "latent" in batch:
-        return batch["latent"].to(run.dev).float(), batch["text"].to(run.dev).float(), batch["mask"].to(run.dev)
+        noise = None if batch["noise"] is None else batch["noise"].to(run.dev).float()
+        return batch["latent"].to(run.dev).float(), batch["text"].to(run.dev).float(), batch["mask"].to(run.dev), noise
     x0, (text, mask) = batch["image"].to(run.dev, non_blocking=True), run.encoder(batch["caption"])  # (cached)
-    return (x0 if run.vae is None else run.vae.encode(x0)), text, mask
+    return (x0 if run.vae is None else run.vae.encode(x0)), text, mask, None
 
 
 # ---- The loop -------------------------------------------------------------------------------------------------------
@@ -443,7 +464,7 @@ def train_loop(args, run, signals):
         while run.step < args.steps and not stopped:  # (before a batch is fetched: the saved data position is exact)
             micro_batches = [encode_batch(run, next(stream)) for _ in range(args.grad_accum)]
             out = train_step(run, args, micro_batches)
-            n_seen += sum(x0.shape[0] for x0, _, _ in micro_batches) * run.world
+            n_seen += sum(x0.shape[0] for x0, *_ in micro_batches) * run.world
             if run.step % args.log_every == 0 or run.step == args.steps:  # the only steps that read the device
                 stopped = log_step(run, args, out, signals, n_seen / (time.time() - t_window), bar)
                 n_seen, t_window = 0, time.time()
@@ -599,8 +620,7 @@ def load_checkpoint(run, args):
             f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
             f"Pass the checkpoint's values, or accept the change with --override "
             f"{','.join(k.replace('_', '-') for k in refused)} (README: what each costs)")
-    what = lambda config: {k: v for k, v in config.items() if k not in ("attn", "moe_impl")}  # not how it computes
-    if what(ckpt["config"]) != what(run.config):
+    if model_of(ckpt["config"]) != model_of(run.config):
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {run.config}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
     tag, saved = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
