@@ -4,6 +4,7 @@
     python sample.py --ckpt out/run/ckpt.pt --eval --steps 8     # last line: the scores as JSON
     python sample.py --ckpt out/moe/ckpt.pt --routing            # MoE: which experts, when, where
     python sample.py --plot out/run                              # a run's curves -> out/run/loss.png
+    python sample.py --ckpt out/run/ckpt.pt --pairs 4096 --steps 8 --out data/pairs   # reflow's pairs (flow.py)
 
 Sampling is flow.generate (Euler from t = 1 to 0, classifier-free guidance) on the EMA weights (`--raw`: the
 trained ones; the same under train.py's default `--ema 0`), decoded by the VAE where the model learnt latents.
@@ -194,8 +195,8 @@ def main(argv=None):
         return print(f"{os.path.join(args.plot, 'loss.png')} drawn from its log.jsonl")
     model, encoder, targs = load(args.ckpt, args.raw)
     out = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default: beside the checkpoint
+    source = data.source(targs["data"])  # (the pictures a precomputed or pair folder was made from)
     if args.pairs:  # captions of the run's own data, shuffled by the seed, as many times over as N needs
-        source = data.source(targs["data"])
         captions = [s["txt"].decode() for s in data.read_tars(data.resolve_shards(source, targs["image_size"]))]
         random.Random(args.seed).shuffle(captions)
         about = dict(vae=targs["vae"], text_encoder=targs["text_encoder"], image_size=targs["image_size"],
@@ -219,8 +220,8 @@ def main(argv=None):
         return print(f"{len(fake)} samples ({len(prompts)} prompts x {args.n}, one row each) -> {out('samples.png')}")
     nets = eval.feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
     clip = eval.load_clip(args.clip_model) if args.clip_model else None
-    names, scores, fake = eval.names_set(targs["data"], targs["image_size"]), {}, None
-    if names or targs["data"] in (data.BUILTIN, data.MIXED):  # the judge, or retrieval against the named pictures
+    names, scores, fake = eval.names_set(source, targs["image_size"]), {}, None
+    if names or source in (data.BUILTIN, data.MIXED):  # the judge, or retrieval against the named pictures
         grid = out(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
         scores, fake, captions = score_heldout(model, encoder, model.vae, names, grid, args.eval_n, args.steps,
                                                args.cfg, args.seed, model.t_shift, fid=bool(names), batch=args.batch,

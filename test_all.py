@@ -1159,6 +1159,58 @@ def test_init_starts_a_run_from_its_parent_the_same_model_or_upcycled_and_refuse
 
 
 @pytest.mark.xdist_group("trained16")
+def test_reflow_trains_on_the_models_own_pairs_with_their_noise_and_one_step_then_lands_near_the_data(
+        trained16, tmp_path, monkeypatch):
+    """sample.py --pairs: (noise, the model's sample from it, a caption of its data), the same from the same seed, a
+    rerun resuming; train.py --data PAIRS --init CKPT trains on each picture with its own noise (flow.py's reflow):
+    afterwards the paths are straighter and one Euler step draws what the caption says far more often."""
+    ckpt, pairs = os.path.join(trained16, "ckpt.pt"), tmp_path / "pairs"
+    make = lambda out, *flags: sample.main(["--ckpt", ckpt, "--pairs", "512", "--steps", "8", "--batch", "128",
+                                            "--out", str(out), *flags])
+    make(pairs)
+    read = lambda path: {s["__key__"]: s for s in data.read_tars([str(path)])}
+    first, third = read(pairs / "pairs-00000.tar"), read(pairs / "pairs-00002.tar")
+    os.remove(pairs / "pairs-00002.tar")
+    make(pairs)  # resumed: only the missing shard is drawn, the same pairs again
+    assert sorted(os.listdir(pairs)) == ["pairs-0000%d.tar" % k for k in range(4)] + ["precompute.json"]
+    assert read(pairs / "pairs-00002.tar") == third
+    with pytest.raises(SystemExit, match="holds pairs drawn with"):  # nor mixed with pairs of other settings
+        make(pairs, "--cfg", "3")
+    model, encoder, _ = sample.load(ckpt)
+    arr = lambda s, k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))).float()
+    samples = list(first.values())
+    captions = [s["txt"].decode() for s in samples]
+    assert set(captions) <= {s["txt"].decode() for s in data.read_tars(data.resolve_shards(data.BUILTIN, 16))}
+    eps = sample.noise(model, 128, 0)  # shard 0: the noise of seed 0, and what the model draws from it
+    assert torch.equal(torch.stack([arr(s, "noise") for s in samples]), eps.half().float())
+    drawn, _ = flow.generate(model, encoder, captions, eps, 8, 2.0, model.t_shift)
+    assert torch.allclose(torch.stack([arr(s, "latent") for s in samples]), drawn, atol=2e-3)
+    with pytest.raises(SystemExit, match=f"holds reflow pairs drawn from {ckpt}: .* --init"):
+        train.main(TINY + ["--data", str(pairs), "--image-size", "16", "--out", str(tmp_path / "no_init")])
+    stored = {arr(s, "latent").half().numpy().tobytes(): arr(s, "noise") for p in sorted(pairs.glob("*.tar"))
+              for s in read(p).values()}
+    real_loss, fed = flow.flow_loss, []
+
+    def spy(m, x0, text, mask, t, eps, *a):  # each picture trained with the noise stored beside it
+        fed.append(all(torch.equal(stored[x.half().numpy().tobytes()], e) for x, e in zip(x0, eps)))
+        return real_loss(m, x0, text, mask, t, eps, *a)
+    monkeypatch.setattr(flow, "flow_loss", spy)
+    out = tmp_path / "reflow"
+    train.main(TINY + ["--data", str(pairs), "--init", ckpt, "--image-size", "16", "--width", "64", "--patch", "2",
+                       "--batch-size", "32", "--steps", "150", "--lr", "1e-3", "--warmup", "20", "--text-encoder",
+                       "minilm", "--ema", "0.995", "--out", str(out)])
+    assert len(fed) == 150 and all(fed)
+    monkeypatch.setattr(flow, "flow_loss", real_loss)
+    reflowed, _, _ = sample.load(str(out / "ckpt.pt"))
+    grade = lambda m, steps, cfg: sample.score_heldout(m, encoder, None, None, str(tmp_path / "g.png"), 1, steps, cfg,
+                                                       0, m.t_shift)[0]
+    before, after = grade(model, 8, 1.0)["straightness"], grade(reflowed, 8, 1.0)["straightness"]
+    assert after < 0.8 * before, (before, after)  # (the unguided field: guidance bends any path)
+    before, after = grade(model, 1, 2.0), grade(reflowed, 1, 2.0)
+    assert after["color"] + after["position"] > before["color"] + before["position"] + 0.2, (before, after)
+
+
+@pytest.mark.xdist_group("trained16")
 def test_raw_samples_use_the_trained_weights_and_the_default_the_ema(trained16, tmp_path, monkeypatch):
     ckpt_path = os.path.join(trained16, "ckpt.pt")
     ckpt = torch.load(ckpt_path, weights_only=True)

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import glob
 import math
 import os
 import random
@@ -19,8 +20,10 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import Image
 
 import data
 import eval
@@ -356,12 +359,12 @@ def start(args):
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
     pre = read_json(os.path.join(os.path.dirname(shards[0]), "precompute.json"))  # `data.py precompute`d?
-    if pre and (pre["vae"], pre["text_encoder"], pre["image_size"]) != (args.vae, args.text_encoder, args.image_size):
-        raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
-                         f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     if pre and pre.get("pairs") and not (args.init or args.resume):  # (reflow: flow.py)
         raise SystemExit(f"{args.data} holds reflow pairs drawn from {pre['pairs']}: train on them from that model, "
                          f"--init {pre['pairs']}")
+    if pre and (pre["vae"], pre["text_encoder"], pre["image_size"]) != (args.vae, args.text_encoder, args.image_size):
+        raise SystemExit(f"{args.data} was precomputed with --vae {pre['vae']} --text-encoder {pre['text_encoder']} "
+                         f"--image-size {pre['image_size']}: pass the same flags (they are needed for sampling)")
     run = setup(args)
     run.shards, run.t_start = shards, time.time()
     run.judged = data.BUILTIN in (args.data, (pre or {}).get("source")) or args.data == data.MIXED  # (it knows these)
@@ -369,13 +372,13 @@ def start(args):
     master = run.rank == 0  # only rank 0 prints, logs, scores samples and writes files
     draws = master or run.engine.sharded  # (FSDP: every rank runs the sampling forwards)
     run.names = eval.names_set(data.source(args.data), args.image_size) if draws else None  # retrieval scores
-    run.log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if master else None
     if args.resume:
         name, changed = load_checkpoint(run, args)
-        if master:
-            print(f"resumed from {args.out}/{name} at step {run.step}" +
-                  "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
-            append_json(run.log, dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
+    run.log = RunLog(args.out, run.step if args.resume else None) if master else None
+    if args.resume and master:
+        print(f"resumed from {args.out}/{name} at step {run.step}" +
+              "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
+        run.log.write(dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         write_json(os.path.join(args.out, "args.json"), vars(args))
     (total, active), batch = count_params(run.model), run.world * args.grad_accum * args.batch_size
@@ -515,6 +518,45 @@ def count_bad_step(run, bad_step):
     counts["longest"] = torch.maximum(counts["longest"], counts["in_a_row"])
 
 
+def scalars(x, tag=""):
+    """A log record's numbers -> [(tag, number)], nested dicts and lists flattened into tags like 'eval/all'."""
+    if isinstance(x, (dict, list)):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        return [pair for k, v in items for pair in scalars(v, f"{tag}/{k}" if tag else str(k))]
+    return [(tag, x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
+
+
+class RunLog:
+    """Rank 0's record of a run: log.jsonl (a strict-JSON line per record) and, where tensorboard is installed, its
+    numbers as TensorBoard scalars and the grids as images, in the run folder (`tensorboard --logdir out`: every run
+    side by side). A resumed run hides the events after its checkpoint's step (purge_step): no step is drawn twice."""
+
+    def __init__(self, out, resumed_at=None):
+        self.jsonl = open(os.path.join(out, "log.jsonl"), "w" if resumed_at is None else "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(out, purge_step=None if resumed_at is None else resumed_at + 1)
+        except ImportError:  # (a user's own environment: the run is the same without the curves)
+            self.tb = print("no TensorBoard curves: pip install tensorboard (log.jsonl and loss.png have them)")
+
+    def write(self, rec):
+        """One record; its numbers under their keys ('loss', 'eval/all', 'routing/0/load/3') at its step."""
+        append_json(self.jsonl, rec)
+        for tag, value in scalars({k: v for k, v in rec.items() if k != "step"}) if self.tb and "step" in rec else []:
+            self.tb.add_scalar(tag, value, rec["step"])
+
+    def image(self, png, step):
+        """A sample grid (PNG) at its step: 'grid' (buckets: 'grid_12x22' ...), or 'eval' at the end."""
+        if self.tb:
+            self.tb.add_image(os.path.basename(png)[:-len(".png")].replace(f"step_{step:06d}", "grid"),
+                              np.asarray(Image.open(png).convert("RGB")), step, dataformats="HWC")
+
+    def close(self):
+        self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
 def log_step(run, args, out, signals, img_per_s, bar):
     """All ranks: the global loss and whether any was signalled (-> True: stop), the log line, a stop on bad steps."""
     flags = torch.stack([out["loss"], out["balance"], torch.full((), float(bool(signals.caught)), device=run.dev)])
@@ -530,7 +572,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
             rec["bad_step"] = True
         if args.moe:  # balance loss on its own, and per layer: load per expert, entropy, unused
             rec.update(balance_loss=balance_sum / run.world, routing=moe.routing_stats(run.model))
-        append_json(run.log, rec)
+        run.log.write(rec)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
         end(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite loss or gradient norm "
@@ -661,7 +703,9 @@ def sample_grid(run, args, ema, final=False):
                                            size=run.buckets)
     if run.rank == 0:
         minutes = (time.time() - run.t_start) / 60
-        append_json(run.log, {"step": run.step, "eval" if final else "sample_acc": scores, "minutes": minutes})
+        run.log.write({"step": run.step, "eval" if final else "sample_acc": scores, "minutes": minutes})
+        for png in sorted(glob.glob(path[:-len(".png")] + "*.png")):  # (buckets: one grid each)
+            run.log.image(png, run.step)
         if final:
             eval.print_scores(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
         sample.plot_run(args.out)
