@@ -1262,6 +1262,32 @@ def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trai
         sample.plot_run(str(tmp_path / "nothing"))
 
 
+def test_tensorboard_shows_the_logs_numbers_and_grids_and_a_resume_draws_no_step_twice(builtin16, tmp_path,
+                                                                                       monkeypatch, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    flags = TINY + ["--image-size", "16", "--steps", "6", "--ckpt-every", "3", "--sample-every", "3", "--eval-n", "1",
+                    "--out", str(run)]
+    train.main(flags)
+    os.replace(run / "ckpt.prev.pt", run / "ckpt.pt")  # as if it had died after step 6's log line, before its save
+    train.main(flags + ["--resume"])  # steps 4 to 6 again
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0, "images": 0})  # (tensorboard's own reader)
+    events.Reload()
+    logged = {r["step"]: r for r in map(json.loads, open(run / "log.jsonl")) if "loss" in r}  # (the last line wins)
+    drawn = events.Scalars("loss")
+    assert [e.step for e in drawn] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in drawn] == pytest.approx([logged[s]["loss"] for s in range(1, 7)], rel=1e-6)
+    last_quarter = [(s, logged[s]["loss_t_bins"][3]) for s in range(1, 7)]  # (None where no t fell in it)
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars("loss_t_bins/3")] == \
+        [(s, v) for s, v in last_quarter if v is not None]
+    final = next(json.loads(l)["eval"] for l in open(run / "log.jsonl") if '"eval"' in l)
+    assert [(e.step, e.value) for e in events.Scalars("eval/all")] == [(6, pytest.approx(final["all"]))]
+    assert [i.step for i in events.Images("grid")] == [3] and [i.step for i in events.Images("eval")] == [6]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # a user's environment without it: it trains
+    train.main(TINY + ["--image-size", "16", "--steps", "1", "--out", str(tmp_path / "plain")])
+    assert "pip install tensorboard" in capsys.readouterr().out and not list((tmp_path / "plain").glob("events*"))
+
+
 # -----------------------------------------------------------------------------------------------
 # moe.py
 # -----------------------------------------------------------------------------------------------
