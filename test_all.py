@@ -304,11 +304,34 @@ def assert_same_run(ckpt, ref):
         assert torch.equal(ref["model"][name], ckpt["model"][name]), name
 
 
-def sbatch(tmp_path, flags, nproc=1):
+HELD_UNTIL_SIGNALLED = f"""# sitecustomize.py: in rank 0 of a job's first run, the 6th batch waits for a stop signal
+import os, signal, sys
+if os.environ.get("RANK") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    sys.path.insert(0, {ROOT!r})
+    import data
+    woken, wake = os.pipe()  # a byte arrives for each signal that has a Python handler (train.py's StopSignals)
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    real = data.batches
+    def batches(*a):
+        for i, batch in enumerate(real(*a)):
+            if i == 5:
+                os.read(woken, 1)
+            yield batch
+    data.batches = batches
+"""
+
+
+def sbatch(tmp_path, flags, nproc=1, held=False):
     """Submit run.slurm with these flags, on one CPU (two jobs run side by side) -> the job's id; its log is
-    tmp_path/slurm-<id>.out."""
+    tmp_path/slurm-<id>.out. held: rank 0's first run waits before its step 6 until a stop signal reaches it (a
+    sitecustomize.py on PYTHONPATH), so a signal sent after 5 log lines lands before the run can end."""
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), MASTER_PORT=free_port(),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    if held:
+        (tmp_path / "held").mkdir()
+        (tmp_path / "held" / "sitecustomize.py").write_text(HELD_UNTIL_SIGNALLED)
+        env["PYTHONPATH"] = str(tmp_path / "held")
     cmd = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out"]
     r = subprocess.run(cmd + ["run.slurm", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
@@ -516,7 +539,7 @@ def test_euler_with_the_exact_field_maps_gaussian_noise_to_the_data_gaussian_and
         ds = (-(1 - t) * sigma ** 2 + t) / s
         return -mu + ds / s * (z - m)
 
-    def reflowed_velocity(z, t):  # eps - x0 for the pairs x0 = mu + sigma eps: eps = (z - (1 - t) mu) / (1 - t + t / sigma)
+    def reflowed_velocity(z, t):  # eps - x0 of the pairs x0 = mu + sigma eps; z = (1 - t) mu + ((1 - t) sigma + t) eps
         t = t.view(-1, 1)
         return (1 - sigma) * (z - (1 - t) * mu) / ((1 - t) * sigma + t) - mu
 
@@ -1638,7 +1661,8 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
 
     def slow_encode(S, b):  # frozen encoders that take 600 ms (and return fixed caption states)
         clock[0] += 0.6
-        return b["image"], torch.ones(len(b["caption"]), 5, 384), torch.ones(len(b["caption"]), 5, dtype=torch.bool)
+        n = len(b["caption"])
+        return b["image"], torch.ones(n, 5, 384), torch.ones(n, 5, dtype=torch.bool), None
     monkeypatch.setattr(data, "batches", slow_batches)
     monkeypatch.setattr(train, "encode_batch", slow_encode)
     prof = load_profile_py()
@@ -2028,7 +2052,7 @@ def test_slurm_jobs_train_two_ranks_a_failing_one_fails_and_preempted_ones_reque
     jobs = {}
     for how, nproc in (("usr1", 2), ("requeue", 1)):
         (tmp_path / how).mkdir()
-        jobs[how] = sbatch(tmp_path / how, STOPPED + ["--out", str(tmp_path / how / "run")], nproc=nproc)
+        jobs[how] = sbatch(tmp_path / how, STOPPED + ["--out", str(tmp_path / how / "run")], nproc=nproc, held=True)
     jobs["bad"] = sbatch(tmp_path, ["--attn", "flash"])
     for how in ("usr1", "requeue"):
         wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
@@ -2046,7 +2070,7 @@ def test_slurm_jobs_train_two_ranks_a_failing_one_fails_and_preempted_ones_reque
         assert ref["step"] == 100
         resumed = [json.loads(l)["resume"]["step"] for l in open(tmp_path / how / "run" / "log.jsonl")
                    if '"resume"' in l]
-        assert len(resumed) == 1 and 5 <= resumed[0] < 100, how  # from the signal's checkpoint (--ckpt-every 1000)
+        assert resumed == [6], how  # from the signal's checkpoint after the held step (--ckpt-every 1000)
         if how == "usr1":  # the whole chain, in order, in the job's one log (--open-mode=append)
             chain = ["2 ranks x 8 = global batch 16", "run.slurm: USR1, passing it to the training step",
                      "rank 0: caught SIGUSR1", "rank 1: caught SIGUSR1",
@@ -2846,7 +2870,7 @@ def test_a_stop_signal_outside_a_step_or_a_second_one_ends_the_process_at_once(t
         "startup": ("real = train.setup\ndef setup(args):\n    print('stuck', flush=True); time.sleep(600)\n"
                     "train.setup = setup", 128 + signal.SIGTERM, "caught SIGTERM: exiting at once"),
         "data": (said + "import itertools\nreal = data.batches\ndef batches(*a):\n    it = real(*a)\n"  # a loader
-                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True)\n"  # waiting for a file
+                 "    for i in itertools.count():\n        if i == 3: print('stuck', flush=True)\n"  # for a file
                  "        while i == 3 and not os.path.exists(sys.argv[-1] + '.go'): time.sleep(0.05)\n"
                  "        yield next(it)\ndata.batches = batches", 0, "checkpoint written at step 4"),
         "step": (stuck_in_step + "train.StopSignals.__init__.__defaults__ = (False, 0.0)",  # no repeat: any second

@@ -291,7 +291,8 @@ def init_weights(model, config, path, dev, rank):
     else:
         if differ := {k: (v, config[k]) for k, v in model_of(parent["config"]).items() if config[k] != v}:
             raise SystemExit(f"--init {path}: another model (" + ", ".join(f"{k} {a} there, {b} here" for k, (a, b)
-                             in differ.items()) + "): pass its flags (its args.json), or --moe E to upcycle a dense one")
+                             in differ.items()) + "): pass its flags (its args.json), or --moe E to upcycle a dense "
+                             "one")
         model.load_weights(parent["ema"], path)
         said = f"initialised from {path}: its EMA weights"
     if rank == 0:
@@ -400,8 +401,9 @@ def start(args):
 def train_step(run, args, micro_batches, mark=None):
     """One optimizer step over this rank's micro-batches [(x0, text, mask, noise)]: times, noise (unless a reflow pair
     brings its own) and caption drops drawn for the global batch (every rank draws all and keeps its slice, so a run
-    does not depend on how the batch is split) -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW -> schedule -> EMA, with no host sync (but
-    DeepSpeed's norm). A non-finite loss or gradient norm changes no weight, moment or EMA; it takes its step number."""
+    does not depend on how the batch is split) -> flow loss (+ MoE balance loss) -> backward -> clip at 1.0 -> AdamW ->
+    schedule -> EMA, with no host sync (but DeepSpeed's norm). A non-finite loss or gradient norm changes no weight,
+    moment or EMA; it takes its step number."""
     mark = mark or (lambda phase: None)  # (profile.py times the phases)
     dev, per_rank = run.dev, micro_batches[0][0].shape[0]  # images in one micro-batch of one rank
     per_micro = per_rank * run.world                        # ... of all ranks
@@ -446,7 +448,7 @@ def encode_batch(run, batch):
     """A loader batch -> (x0, text, mask, noise) on the device, through the frozen VAE and text encoder (or
     precomputed); noise: a reflow pair's, else None (the step draws it)."""
     if "latent" in batch:
-        noise = None if batch["noise"] is None else batch["noise"].to(run.dev).float()
+        noise = None if batch.get("noise") is None else batch["noise"].to(run.dev).float()
         return batch["latent"].to(run.dev).float(), batch["text"].to(run.dev).float(), batch["mask"].to(run.dev), noise
     x0, (text, mask) = batch["image"].to(run.dev, non_blocking=True), run.encoder(batch["caption"])  # (cached)
     return (x0 if run.vae is None else run.vae.encode(x0)), text, mask, None
