@@ -165,10 +165,7 @@ def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
     """(noise, the model's sample from it, its caption) -> shards of `batch` pairs in data.py precompute's format plus
     the noise: {latent.npy: the sample (model space), noise.npy, text.npy, mask.npy, txt}. Shard k holds pairs from
     k * batch on, drawn from noise(seed + k * batch): a rerun skips the shards written (each under its final name only
-    once whole) and draws the rest the same. `about` goes to precompute.json (train.py checks it)."""
-    old = data.read_json(os.path.join(out, "precompute.json"))
-    if old not in (None, about):  # resuming must not mix two models' pairs
-        raise SystemExit(f"{out} holds pairs drawn with {old}; rerun with those flags, or write a new folder")
+    once whole) and draws the rest the same. `about` goes to precompute.json (train.py reads it)."""
     os.makedirs(out, exist_ok=True)
     data.write_json(os.path.join(out, "precompute.json"), about)
     path = lambda first: os.path.join(out, f"pairs-{first // batch:05d}.tar")
@@ -197,10 +194,12 @@ def main(argv=None):
     out = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default: beside the checkpoint
     source = data.source(targs["data"])  # (the pictures a precomputed or pair folder was made from)
     if args.pairs:  # captions of the run's own data, shuffled by the seed, as many times over as N needs
-        captions = [s["txt"].decode() for s in data.read_tars(data.resolve_shards(source, targs["image_size"]))]
-        random.Random(args.seed).shuffle(captions)
         about = dict(vae=targs["vae"], text_encoder=targs["text_encoder"], image_size=targs["image_size"],
                      source=source, pairs=args.ckpt, steps=args.steps, cfg=args.cfg, seed=args.seed)
+        if (old := data.read_json(os.path.join(args.out, "precompute.json"))) not in (None, about):  # (a resume)
+            raise SystemExit(f"{args.out} holds pairs drawn with {old}; rerun with those flags, or write a new folder")
+        captions = [s["txt"].decode() for s in data.read_tars(data.resolve_shards(source, targs["image_size"]))]
+        random.Random(args.seed).shuffle(captions)
         return write_pairs(model, encoder, [captions[i % len(captions)] for i in range(args.pairs)], args.out,
                            args.steps, args.cfg, args.seed, args.batch, about)
     if args.routing:
