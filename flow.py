@@ -54,7 +54,8 @@ def interpolate(x0, eps, t):
 
 def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     """-> (loss, per-sample flow loss (B,)) for clean inputs x0 at times t (B,) with noise eps (B, ...).
-    contrast = lambda > 0 also pushes each prediction away from the next sample's target (contrastive flow matching):
+    contrast = lambda > 0 also pushes each prediction away from another sample's target, the previous one in the batch
+    (contrastive flow matching):
     || v - a ||^2 - lambda || v - b ||^2 = (1 - lambda) || v - (a - lambda b) / (1 - lambda) ||^2 + const, so the model
     regresses onto its own target moved away from another caption's. The per-sample loss (logged) is the plain one.
     (train.py draws t and eps for the whole global batch and hands each micro-batch of each rank its slice.)"""
@@ -64,7 +65,7 @@ def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     per_sample = ((v - target) ** 2).mean(dim=dims)
     if not contrast:
         return per_sample.mean(), per_sample
-    other = ((v - target.roll(1, dims=0)) ** 2).mean(dim=dims)  # batches are shuffled: the next one is any other
+    other = ((v - target.roll(1, dims=0)) ** 2).mean(dim=dims)  # sample i-1's target: batches are shuffled
     return per_sample.mean() - contrast * other.mean(), per_sample
 
 

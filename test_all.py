@@ -456,7 +456,7 @@ def test_flow_endpoints_and_target_sign():
     assert flow.flow_loss(wrong, x0, None, None, t, eps)[0].item() > 1.0
 
 
-def test_contrastive_flow_matching_subtracts_lambda_times_the_error_against_the_next_samples_target():
+def test_contrastive_flow_matching_subtracts_lambda_times_the_error_against_the_previous_samples_target():
     x0, eps, v = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8, requires_grad=True)
     t, a = flow.sample_t(4), eps - x0
     loss, per = flow.flow_loss(lambda *_: v, x0, None, None, t, eps, contrast=0.05)

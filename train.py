@@ -93,7 +93,8 @@ def get_parser():
     a("--ckpt-every", type=int, default=500, help="steps between checkpoints (and one at the end)")
     a("--cfg", type=float, default=2.0, help="guidance scale w of sample grids and the final evaluation")
     a("--sample-steps", type=int, default=25, help="Euler steps of sample grids and the final evaluation")
-    a("--eval-n", type=int, default=2, help="final evaluation: samples per held-out prompt or name (0 = none)")
+    a("--eval-n", type=int, default=2,
+      help="final evaluation: samples per colour x shape x position, or per name (0 = none)")
     return p
 
 
