@@ -111,8 +111,10 @@ def fid_is(real, fake, nets, batch=256):
                 kid.update(x, real=is_real)
                 if not is_real:
                     iscore.update(x)
-        mean, std = iscore.compute()
-        kid_mean, kid_std = kid.compute()
+        with torch.random.fork_rng(devices=[]):  # IS's splits and KID's subsets are random draws: the same ones on
+            torch.manual_seed(0)                  # every call, whatever the caller drew before (train.py, sample.py)
+            mean, std = iscore.compute()
+            kid_mean, kid_std = kid.compute()
     return dict(fid=fid.compute().item(), kid=kid_mean.item(), kid_std=kid_std.item(), inception_score=mean.item(),
                 inception_score_std=std.nan_to_num().item())
 
