@@ -3,7 +3,6 @@
     python sample.py --ckpt out/run/ckpt.pt --prompt "a red circle in the top left" --n 8
     python sample.py --ckpt out/run/ckpt.pt --eval --steps 8     # last line: the scores as JSON
     python sample.py --ckpt out/moe/ckpt.pt --routing            # MoE: which experts, when, where
-    python sample.py --plot out/run                              # a run's curves -> out/run/loss.png
     python sample.py --ckpt out/run/ckpt.pt --pairs 4096 --steps 8 --out data/pairs   # reflow's pairs (flow.py)
 
 Sampling is flow.generate (Euler from t = 1 to 0, classifier-free guidance) on the EMA weights (`--raw`: the
@@ -29,7 +28,7 @@ from tqdm import tqdm
 import data
 import eval
 import flow
-from data import as_uint8, atomic_write, read_text, to_pil
+from data import as_uint8, atomic_write, to_pil
 from model import DiT, TextEncoder, device, load_vae
 from moe import MoE, default_impl
 
@@ -38,7 +37,6 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Sample images from a trained MM-DiT checkpoint.")
     a = p.add_argument
     a("--ckpt", help="checkpoint written by train.py (<out>/ckpt.pt)")
-    a("--plot", metavar="RUN_FOLDER", help="only draw RUN_FOLDER/loss.png from its log.jsonl")
     a("--prompt", action="append", help="caption to draw (repeatable); default: a few built-in ones")
     a("--n", type=int, default=4, help="samples per prompt")
     a("--size", help="WxH pixels to draw, e.g. 44x24 (default: the training square; --eval: each trained bucket)")
@@ -60,8 +58,6 @@ def get_args(argv=None):
     a("--raw", action="store_true", help="use the raw weights instead of the EMA weights")
     a("--batch", type=int, default=256, help="prompts per sampling batch (memory bound)")
     args = p.parse_args(argv)
-    if args.plot:
-        return args
     if not args.ckpt or not os.path.exists(args.ckpt):
         p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) or point to <out>/ckpt.pt")
     if args.pairs and not args.out:
@@ -187,9 +183,6 @@ def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
 
 def main(argv=None):
     args = get_args(argv)
-    if args.plot:
-        plot_run(args.plot)
-        return print(f"{os.path.join(args.plot, 'loss.png')} drawn from its log.jsonl")
     model, encoder, targs = load(args.ckpt, args.raw)
     out = lambda name: args.out or os.path.join(os.path.dirname(args.ckpt), name)  # default: beside the checkpoint
     source = data.source(targs["data"])  # (the pictures a precomputed or pair folder was made from)
@@ -248,7 +241,7 @@ def main(argv=None):
     return scores
 
 
-# ==== What a first read may skip: the names grid, routing maps, loss.png ==========================================
+# ==== What a first read may skip: the names grid, routing maps ====================================================
 def names_grid(fake, want, real, path, cols=12, blocks=2):
     """Real vs generated: `blocks` x `cols` names spread over the set, the real picture above the first sample."""
     first = {i: j for j, i in reversed(list(enumerate(want.tolist())))}  # name -> its first sample
@@ -311,55 +304,6 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
         plt.close(fig)
         print(f"routing by {key:9s} -> {path}")
     return by
-
-
-def plot_run(folder):
-    """<folder>/log.jsonl -> <folder>/loss.png: loss (and per t-quarter), learning rate, the grids' scores and, for an
-    MoE, each layer's least and most loaded expert, against the step -> {curve name: (steps, values)}, as drawn."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no window
-    import matplotlib.pyplot as plt
-    path = os.path.join(folder, "log.jsonl")
-    if not os.path.exists(path):
-        raise SystemExit(f"no log.jsonl in {folder}: pass a run folder (train.py --out), e.g. out/run")
-    steps, scores = {}, {}  # after a resume the same steps come again: the last line wins
-    for rec in map(json.loads, read_text(path).splitlines()):
-        if "loss" in rec:
-            steps[rec["step"]] = rec
-        elif rec.get("sample_acc") or rec.get("eval"):  # (None where no judge scores the data)
-            scores[rec["step"]] = rec.get("sample_acc") or rec["eval"]
-    recs = [steps[s] for s in sorted(steps)]
-    x = [r["step"] for r in recs]
-    curves = {"loss": (x, [r["loss"] for r in recs]), "lr": (x, [r["lr"] for r in recs])}
-    for q in range(4):
-        curves[f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})"] = (x, [r["loss_t_bins"][q] for r in recs])  # t=0: data
-    for key in ("all", "top1", "top5"):  # the judge's "all three", or retrieval on a named-picture set
-        if any(s and key in s for s in scores.values()):
-            curves[key] = (sorted(scores), [scores[s][key] for s in sorted(scores)])
-    moe = [r for r in recs if r.get("routing")]
-    for i in range(len(moe[-1]["routing"]) if moe else 0):
-        for name, pick in (("min", min), ("max", max)):
-            curves[f"layer {i} {name} load"] = ([r["step"] for r in moe], [pick(r["routing"][i]["load"]) for r in moe])
-    fig, axes = plt.subplots(1, 4 if moe else 3, figsize=(16 if moe else 12, 3.4))
-    for name, (xs, ys) in curves.items():
-        panel = 0 if name.startswith("loss") else 1 if name == "lr" else 3 if "load" in name else 2
-        ys = [float("nan") if v is None else v for v in ys]  # (a skipped step logs null)
-        axes[panel].plot(xs, ys, "k-" if name == "loss" else ".-" if panel == 2 else "-", lw=1, label=name)
-    titles = ("flow loss (log scale)", "learning rate", "sample scores", "expert load: min / max per layer")
-    for ax, title in zip(axes, titles):
-        ax.set_title(title, fontsize=10), ax.set_xlabel("step")
-        if ax.lines:
-            ax.legend(fontsize=7)
-    axes[0].set_yscale("log")
-    axes[2].set_ylim(0, 1.02)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.9, wspace=0.25)  # (not tight_layout: it measures
-    try:  # every label each time, and train.py redraws this with every grid)
-        atomic_write(os.path.join(folder, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=80))
-    except OSError as e:  # train.py redraws it with every grid: a full disk must not end a run over a picture
-        print(f"warning: {folder}/loss.png not written ({e}); going on", file=sys.stderr)
-    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in axes for line in ax.lines}
-    plt.close(fig)
-    return drawn
 
 
 if __name__ == "__main__":

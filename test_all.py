@@ -1269,25 +1269,6 @@ def test_precision_bf16_runs_the_model_under_bf16_autocast(tmp_path, builtin16, 
     assert dtypes == [torch.bfloat16, torch.float32]
 
 
-@pytest.mark.xdist_group("trained16")
-def test_loss_png_is_drawn_from_log_jsonl_by_training_and_by_sample_py_plot(trained16, tmp_path):
-    shutil.copytree(trained16, tmp_path / "run")
-    run = tmp_path / "run"
-    os.remove(run / "loss.png")
-    sample.main(["--plot", str(run)])
-    assert Image.open(run / "loss.png").size[0] > 600
-    series = sample.plot_run(str(run))  # what it drew: each line's label, x and y, read back from the figure
-    recs = [json.loads(l) for l in open(run / "log.jsonl") if '"loss"' in l]
-    drawn = lambda name: [None if math.isnan(v) else v for v in series[name][1]]  # (a null is drawn as a gap)
-    assert series["loss"][0] == [r["step"] for r in recs] and drawn("loss") == [r["loss"] for r in recs]
-    assert drawn("lr") == [r["lr"] for r in recs]
-    for q in range(4):
-        assert drawn(f"loss, t in [{q / 4:g}, {(q + 1) / 4:g})") == [r["loss_t_bins"][q] for r in recs]
-    assert series["all"][0] == [150, 300]  # the grids' scores at steps 150 and 300 (the final evaluation)
-    with pytest.raises(SystemExit, match="no log.jsonl"):
-        sample.plot_run(str(tmp_path / "nothing"))
-
-
 def test_tensorboard_shows_the_logs_numbers_and_grids_and_a_resume_draws_no_step_twice(builtin16, tmp_path,
                                                                                        monkeypatch, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -83,7 +83,7 @@ def get_parser():
       help="under torchrun: DDP, DeepSpeed ZeRO-2, or FSDP2 (every weight split over the ranks too)")
     a("--seed", type=int, default=0, help="seed of data order, noise, times and caption drop")
     a("--workers", type=int, default=int(torch.cuda.is_available()), help="loader processes (CPU: 0, cores are busy)")
-    a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, loss.png, samples/")
+    a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, TensorBoard events, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt (unreadable: ckpt.prev.pt)")
     a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start (requeued jobs)")
     a("--override", default="", help="--resume: accept these changed flags, comma-separated (e.g. steps,lr)")
@@ -540,7 +540,7 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(out, purge_step=None if resumed_at is None else resumed_at + 1)
         except ImportError:  # (a user's own environment: the run is the same without the curves)
-            self.tb = print("no TensorBoard curves: pip install tensorboard (log.jsonl and loss.png have them)")
+            self.tb = print("no TensorBoard curves: pip install tensorboard (log.jsonl has the numbers)")
 
     def write(self, rec):
         """One record; its numbers under their keys ('loss', 'eval/all', 'routing/0/load/3') at its step."""
@@ -711,7 +711,6 @@ def sample_grid(run, args, ema, final=False):
             run.log.image(png, run.step)
         if final:
             eval.print_scores(scores, len(fake), f"{args.sample_steps} steps, cfg {args.cfg}")
-        sample.plot_run(args.out)
 
 
 def final_evaluation(args, run, signals):
@@ -726,7 +725,7 @@ def final_evaluation(args, run, signals):
     signals.defer = False  # the last checkpoint is written: a signal during the evaluation just ends it
     if run.rank == 0:
         print(f"skipped samples: {run.position.skipped} | skipped non-finite steps: {int(run.bad_steps['total'])}")
-    scored = bool(args.eval_n and (run.judged or run.names))  # else nothing to score with: a last grid (and loss.png)
+    scored = bool(args.eval_n and (run.judged or run.names))  # else nothing to score with: a last grid
     sample_grid(run, args, ema, final=scored)
     if args.eval_n and not scored and run.rank == 0:
         print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
