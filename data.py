@@ -6,7 +6,7 @@
 
   * built-in data a 2-core CPU learns in minutes *and* a program can grade: 3 shapes x 6 colours x 5 positions
     (24,000 images of 32 px in 16 shards, 6 caption templates; 2 more held out for evaluation), so "does the
-    picture show what its caption says?" is a number (eval.judge); `builtin-mixed`: in 5 aspect ratios;
+    picture show what its caption says?" is a number (evaluate.judge); `builtin-mixed`: in 5 aspect ratios;
   * streaming by hand: shard shuffle -> this rank's and this loader worker's shards -> tar samples -> shuffle
     buffer -> decode -> a pool per aspect-ratio bucket -> batches of one bucket; a bad sample is skipped and
     counted. The order is a pure function of (seed, epoch, rank, worker), a batch's bucket of its number (the
@@ -633,7 +633,8 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     print(f"{len(shards)} shards in {out}; bad samples skipped: {skipped}")
 
 
-if __name__ == "__main__":
+def get_parser():
+    """The offline tools' command line: `python data.py shards|emoji|precompute ...`."""
     import argparse
     p = argparse.ArgumentParser(description="The offline tools: shard converter, emoji set, precompute.")
     sub = p.add_subparsers(dest="command", required=True, help="shards | emoji | precompute (each has --help)")
@@ -660,5 +661,9 @@ if __name__ == "__main__":
     c.add_argument("--image-size", type=int, default=32, help="pixels, as train.py --image-size")
     c.add_argument("--batch-size", type=int, default=32, help="images per encoder call")
     c.set_defaults(run=lambda a: precompute(a.src, a.out, a.vae, a.text_encoder, a.image_size, a.batch_size))
-    a = p.parse_args()
+    return p
+
+
+if __name__ == "__main__":
+    a = get_parser().parse_args()
     a.run(a)

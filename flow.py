@@ -13,7 +13,7 @@ Check each line against the equations (Liu et al. 2022, "Flow Straight and Fast"
                                      (Stoica et al. 2025, arXiv 2506.05350; lambda = 0.05 there)
 
 Because the learned paths are close to straight, a handful of Euler steps already lands near the
-data (the README's claims table grades the default run at 1, 2, 4, 8 and 25 steps).
+data (CLAIMS.md grades the default run at 1, 2, 4, 8 and 25 steps).
 
 Reflow (the paper's second half, "2-rectified flow"): the trained flow's paths still bend where
 the straight lines of independent (eps, x0) pairs cross, since v* averages the crossing

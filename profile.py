@@ -43,6 +43,7 @@ else:  # run as a script, or imported under another name
     from torch.utils.flop_counter import FlopCounterMode
 
     import data
+    import engine
     import moe
     import train
     from data import atomic_write, read_json, read_text, write_json
@@ -58,7 +59,7 @@ COLUMNS = {"step_ms": ("step ms", ".1f"), "img_per_s": ("img/s", ".0f"), "peak_m
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
-def get_args(argv=None):
+def get_parser():
     p = train.get_parser()
     p.description = "Profile one training step of train.py, or compare two settings of one flag."
     a = p.add_argument
@@ -80,7 +81,11 @@ def get_args(argv=None):
       "ep=1,2: 2 ranks each; grad-accum=1,4 keeps the global batch (--batch-size / accum per micro-batch)")
     a("--repeats", type=int, help="--compare: runs per setting, alternating (default 3; suite: 2 on a GPU, 1 on CPU)")
     a("--json", help="write the result JSON here (used by --compare)")
-    return train.get_args(argv, parser=p)
+    return p
+
+
+def get_args(argv=None):
+    return train.get_args(argv, parser=get_parser())
 
 
 # ---- measure: one step of train.py, timed by phase, on a fixed batch or the real loop ----------------------------
@@ -192,8 +197,8 @@ def measure(args):
                img_per_s=args.batch_size * args.grad_accum * run.world / statistics.median(step))
     if args.mode == "dataloader":
         res["loader_over_model"] = res["loader_img_per_s"] / res["img_per_s"]
-    res["opt_state_mb"] = train.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
-    res["param_mb"] = train.held_bytes(run.model.parameters()) / 2 ** 20  # (--ep, FSDP: its share)
+    res["opt_state_mb"] = engine.optimizer_bytes(run.opt) / 2 ** 20  # this rank's share (ZeRO)
+    res["param_mb"] = engine.held_bytes(run.model.parameters()) / 2 ** 20  # (--ep, FSDP: its share)
     if run.engine.sharded:  # FSDP: more steps, each collective waited for and timed (so none overlaps compute)
         timed = {}
         run_steps(run, args, args.iters, get_batch, timed, collectives=True)
@@ -222,7 +227,7 @@ def measure(args):
         write_json(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), res)
         print_result(res, times)
     if run.world > 1:
-        train.leave_distributed()
+        engine.leave_distributed()
     return res
 
 
@@ -377,36 +382,56 @@ def claims(gpu):
          base + ["--moe", "8", "--compare", "ep=1,2"])] * (not gpu or torch.cuda.device_count() > 1)  # (a GPU a rank)
 
 
+def provenance():
+    """-> (commit, machine) as a CLAIMS.md row names them: the short hash (-dirty: with uncommitted changes), and the
+    GPU's or CPU's model with the cores and the torch version."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                                    text=True).stdout.strip()
+    commit = (git("rev-parse", "--short", "HEAD") or "?") + "-dirty" * bool(git("status", "--porcelain", "-uno"))
+    info = (read_text("/proc/cpuinfo") or "").splitlines()  # (Linux)
+    cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), "CPU")
+    name = torch.cuda.get_device_name() if device() == "cuda" else f"{cpu}, {torch.get_num_threads()} threads"
+    return commit, f"{name}, torch {torch.__version__}"
+
+
+def claims_row(claim, measured, command):
+    """One row of CLAIMS.md: | claim | measured | command | commit | machine |."""
+    return f"| {claim} | {measured} | `{command}` | " + " | ".join(provenance()) + " |"
+
+
 def suite(args):
-    """Run every claim (or --claims), print a header and one markdown table per claim; also written
-    to <out>/profile/suite.md. A claim that fails is reported and the others still run."""
+    """Run every claim (or --claims): each prints its ratio table as it goes, then one CLAIMS.md row per claim (also
+    written to <out>/profile/suite.md). A claim that fails is reported and the others still run."""
     gpu = device() == "cuda"
-    name = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if gpu and k in torch.cuda.get_device_name()),
+                                    None)
     repeats, chosen = args.repeats or (2 if gpu else 1), CLAIMS if args.claims == "all" else args.claims.split(",")
     if set(chosen) - set(CLAIMS):
         sys.exit(f"--claims {args.claims}: choose from {','.join(CLAIMS)}")
     common = ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters), "--repeats", str(repeats),
               "--out", args.out] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
-    md = [f"## profile.py suite: {name}", "",
-          f"torch {torch.__version__}, CUDA {torch.version.cuda if gpu else 'none'}, "
+    md = [f"## profile.py suite: {provenance()[1]}", "",
           f"{'MFU against ' + str(peak) + ' TFLOP/s (dense bf16 peak)' if peak else 'peak FLOP/s unknown: no MFU'}; "
-          f"{repeats} fresh process(es) per setting, {args.warmup_iters} warm-up + {args.iters} timed steps. "
-          f"Command: `python profile.py suite`.", ""]
-    print("\n".join(md), flush=True)
+          f"{repeats} fresh process(es) per setting, {args.warmup_iters} warm-up + {args.iters} timed steps; "
+          f"medians, each setting's ratio to the first.", "", "| claim | measured | command | commit | machine |",
+          "|---|---|---|---|---|"]
     for key, title, argv in claims(gpu):
         if key not in chosen:
             continue
         cmd = ["compute"] * (argv[0] != "dataloader") + argv + common
-        head = [f"### {title}", "", "`python profile.py " + " ".join(cmd) + "`", ""]
-        print("\n".join(head), flush=True)
+        print(f"### {title}\n`python profile.py {' '.join(cmd)}`", flush=True)
         try:
-            table = compare(get_args(cmd), cmd)[1]
+            rows, values = compare(get_args(cmd), cmd)[0], cmd[cmd.index("--compare") + 1].split("=")[1].split(",")
+            ref = rows[values[0]]
+            measured = "; ".join(f"{v}: step {r['step_ms']:.1f} ms ({r['step_ms'] / ref['step_ms']:.2f}×), peak "
+                                 f"{r['peak_mem_mb']:.0f} MB ({r['peak_mem_mb'] / max(ref['peak_mem_mb'], 1e-9):.2f}×)"
+                                 + (f", {r['img_per_s']:.0f} img/s" if r.get("img_per_s") else "")
+                                 + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "") for v, r in rows.items())
         except SystemExit as e:  # one failing setting (a kernel this GPU lacks) must not lose the rest
-            table = f"failed: {str(e)[-1500:]}"
-            print(table, flush=True)
-        md += head + [table, ""]
-        print(flush=True)
+            measured = f"failed: {str(e)[-300:]}".replace("\n", " ").replace("|", "/")
+        md.append(claims_row(title, measured, "python profile.py " + " ".join(cmd)))
+        print(md[-1] + "\n", flush=True)
+    print("\n".join(md), flush=True)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     atomic_write(os.path.join(args.out, "profile", "suite.md"), lambda f: f.write(("\n".join(md) + "\n").encode()))
     return md
@@ -414,18 +439,16 @@ def suite(args):
 
 def recipe(args, argv):
     """Whole `train.py` runs with these flags (each --compare value in turn) on the built-in shapes and on the emoji
-    set -> one table of their final scores and wall times (data, start-up and evaluation included), so a change of
-    defaults is seen on both kinds of data at once. Runs go to <out>/recipe/; the table also to recipe.md."""
+    set -> a CLAIMS.md row per run: its final scores and wall time (data, start-up and evaluation included), so a
+    change of defaults is seen on both kinds of data at once. Runs go to <out>/recipe/; the rows also to recipe.md."""
     here = os.path.dirname(os.path.abspath(__file__))
     if not os.path.exists(os.path.join(args.emoji, "names.json")):  # (data.py says so if the font is missing)
         subprocess.run([sys.executable, os.path.join(here, "data.py"), "emoji", args.emoji], check=True)
     flag, values = args.compare.split("=", 1) if args.compare else ("", "defaults")
     base = strip(argv, {"--compare", "--emoji", "--out", "--json", "--data"}, {"recipe"})
-    md = ["| flags | shapes: all three | minutes | emoji: top-1 | top-5 | sharpness ÷ real | minutes |",
-          "|---" * 7 + "|"]
+    md = ["| claim | measured | command | commit | machine |", "|---|---|---|---|---|"]
     for v in values.split(","):
         extra = [] if not flag or v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
-        row = []
         for name, where in (("shapes", data.BUILTIN), ("emoji", args.emoji)):
             out = os.path.join(args.out, "recipe", f"{name}{'_' + v if flag else ''}".replace(os.sep, "_"))
             flags = base + extra + ["--data", where, "--out", out]
@@ -436,10 +459,10 @@ def recipe(args, argv):
             minutes = (time.time() - start) / 60
             with open(os.path.join(out, "log.jsonl")) as f:
                 final = [json.loads(line) for line in f if '"eval"' in line][-1]["eval"]
-            row += ([f"{final['all']:.1%}"] if name == "shapes" else
-                    [f"{final['top1']:.1%}", f"{final['top5']:.1%}", f"{final['sharpness']:.2f}"]) + [f"{minutes:.1f}"]
-        md.append(f"| {' '.join(base + extra) or 'defaults'} | " + " | ".join(row) + " |")
-    md.append(f"({'CUDA' if device() == 'cuda' else f'CPU, {torch.get_num_threads()} threads'})")
+            scores = (f"all three {final['all']:.1%}" if name == "shapes" else f"top-1 {final['top1']:.1%}, top-5 "
+                      f"{final['top5']:.1%}, sharpness {final['sharpness']:.2f}")
+            md.append(claims_row(f"{' '.join(base + extra) or 'defaults'}, {name}", f"{scores}, {minutes:.1f} min",
+                                 "python train.py " + " ".join(flags)))
     print("\n".join(md), flush=True)
     atomic_write(os.path.join(args.out, "recipe", "recipe.md"), lambda f: f.write(("\n".join(md) + "\n").encode()))
     return md

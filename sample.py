@@ -1,4 +1,4 @@
-"""sample.py -- prompts -> a PNG grid; `--eval`: every held-out prompt drawn, then scored by eval.py.
+"""sample.py -- prompts -> a PNG grid; `--eval`: every held-out prompt drawn, then scored by evaluate.py.
 
     python sample.py --ckpt out/run/ckpt.pt --prompt "a red circle in the top left" --n 8
     python sample.py --ckpt out/run/ckpt.pt --eval --steps 8     # last line: the scores as JSON
@@ -8,8 +8,8 @@
 Sampling is flow.generate (Euler from t = 1 to 0, classifier-free guidance) on the EMA weights (`--raw`: the
 trained ones; the same under train.py's default `--ema 0`), decoded by the VAE where the model learnt latents.
 What `--eval` draws depends on the data (train.py's grids and final evaluation use the same code):
-  * built-in shapes: every colour x shape x position in wordings never trained on, read by eval.judge;
-  * a names set (`python data.py emoji`): every name in an unseen wording, scored by retrieval (eval.py);
+  * built-in shapes: every colour x shape x position in wordings never trained on, read by evaluate.judge;
+  * a names set (`python data.py emoji`): every name in an unseen wording, scored by retrieval (evaluate.py);
   * any data: `--real` FID and IS against real shards, `--clip-model` CLIPScore.
 Checkpoints load with weights_only=True: tensors and plain values only, so loading runs no pickled code.
 """
@@ -26,14 +26,14 @@ from PIL import Image
 from tqdm import tqdm
 
 import data
-import eval
+import evaluate
 import flow
 from data import as_uint8, atomic_write, to_pil
 from model import DiT, TextEncoder, device, load_vae
 from moe import MoE, default_impl
 
 
-def get_args(argv=None):
+def get_parser():
     p = argparse.ArgumentParser(description="Sample images from a trained MM-DiT checkpoint.")
     a = p.add_argument
     a("--ckpt", help="checkpoint written by train.py (<out>/ckpt.pt)")
@@ -57,6 +57,11 @@ def get_args(argv=None):
     a("--routing", action="store_true", help="MoE checkpoints: save expert-choice heatmaps (PNG)")
     a("--raw", action="store_true", help="use the raw weights instead of the EMA weights")
     a("--batch", type=int, default=256, help="prompts per sampling batch (memory bound)")
+    return p
+
+
+def get_args(argv=None):
+    p = get_parser()
     args = p.parse_args(argv)
     if not args.ckpt or not os.path.exists(args.ckpt):
         p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) or point to <out>/ckpt.pt")
@@ -150,8 +155,8 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
             save_grid(images[:len(images) // n_each], grid, nrow=len(data.SHAPES) * len(data.POSITIONS))
     except OSError as e:  # a full disk must not end a training run over a picture
         print(f"warning: sample grid {grid} not written ({e}); going on", file=sys.stderr)
-    scores = eval.retrieval_scores(fake, want, names, fid) if names else eval.judge_accuracy(images, attrs) if judge \
-        else None
+    scores = (evaluate.retrieval_scores(fake, want, names, fid) if names else
+              evaluate.judge_accuracy(images, attrs) if judge else None)
     return scores and dict(scores, straightness=straightness.mean().item()), fake, captions
 
 
@@ -210,23 +215,23 @@ def main(argv=None):
         fake = samples_of([p for p in prompts for _ in range(args.n)])
         save_grid([to_pil(x) for x in fake], out("samples.png"), nrow=args.n)
         return print(f"{len(fake)} samples ({len(prompts)} prompts x {args.n}, one row each) -> {out('samples.png')}")
-    nets = eval.feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
-    clip = eval.load_clip(args.clip_model) if args.clip_model else None
-    names, scores, fake = eval.names_set(source, targs["image_size"]), {}, None
+    nets = evaluate.feature_nets(args.features, args.inception_weights) if args.real else None  # fail before sampling
+    clip = evaluate.load_clip(args.clip_model) if args.clip_model else None
+    names, scores, fake = evaluate.names_set(source, targs["image_size"]), {}, None
     if names or source in (data.BUILTIN, data.MIXED):  # the judge, or retrieval against the named pictures
         grid = out(f"eval_{args.steps}steps_cfg{args.cfg:g}.png")
         scores, fake, captions = score_heldout(model, encoder, model.vae, names, grid, args.eval_n, args.steps,
                                                args.cfg, args.seed, model.t_shift, fid=bool(names), batch=args.batch,
                                                size=[args.size] if args.size else model.buckets)
-        eval.print_scores(scores, len(fake), f"{args.steps} Euler steps, cfg {args.cfg}; grid: {grid}")
+        evaluate.print_scores(scores, len(fake), f"{args.steps} Euler steps, cfg {args.cfg}; grid: {grid}")
         scores["n"] = len(fake)
     elif not (args.real or args.clip_model):
         raise SystemExit("--eval: the judge knows only the built-in data and sets with a names.json (python "
                          "data.py emoji); for this checkpoint pass --real and/or --clip-model")
     if args.real:  # FID/IS: the real captions drawn, then set against the real images
-        real, captions = eval.real_images(args.real, targs["image_size"], args.real_n, args.seed)
+        real, captions = evaluate.real_images(args.real, targs["image_size"], args.real_n, args.seed)
         fake = samples_of(captions)
-        scores.update(eval.fid_is(real, fake, nets, args.batch), n_real=len(real))
+        scores.update(evaluate.fid_is(real, fake, nets, args.batch), n_real=len(real))
         print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- {scores['inception_score_std']:.2f}"
               f": {len(real)} real images of {args.real} and as many samples of their captions ({args.features})")
     if args.clip_model:  # on the samples above, or else on the --prompt ones
@@ -235,7 +240,7 @@ def main(argv=None):
         if fake is None:
             captions = [p for p in args.prompt for _ in range(args.n)]
             fake = samples_of(captions)
-        scores["clip_score"] = eval.clip_score(fake, captions, clip, args.batch)
+        scores["clip_score"] = evaluate.clip_score(fake, captions, clip, args.batch)
         print(f"CLIPScore {scores['clip_score']:.2f} over {len(fake)} samples ({args.clip_model})")
     print(json.dumps(dict(scores, steps=args.steps, cfg=args.cfg)))
     return scores

@@ -8,6 +8,7 @@ Shared helpers come first; then one section per file under test (model, flow, da
 distributed, run.slurm, real-scale inputs, metrics, emoji); then the faults. With CI=1 a test that needs Slurm or
 the emoji font fails where it is missing instead of skipping. Linux: the 2-rank runs fork their ranks (forked_ranks).
 """
+import argparse
 import collections
 import copy
 import dataclasses
@@ -19,6 +20,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -36,7 +38,8 @@ import webdataset as wds
 from PIL import Image
 
 import data
-import eval
+import engine
+import evaluate
 import flow
 import moe
 import sample
@@ -177,7 +180,7 @@ def forked_ranks(flags, n=2, timeout=300):
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                                   MASTER_PORT=port, TORCH_EXTENSIONS_DIR=os.path.join(ROOT, "data", "torch_extensions"))
                 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # (torchrun's default: 1 a rank)
-                train.main(flags)  # (under a process group it ends by os._exit: train.leave_distributed)
+                train.main(flags)  # (under a process group it ends by os._exit: engine.leave_distributed)
                 code = 0
             except SystemExit as e:  # an exit status, or the message of an error
                 if isinstance(e.code, str):
@@ -309,7 +312,7 @@ import os, signal, sys
 if os.environ.get("RANK") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
     sys.path.insert(0, {ROOT!r})
     import data
-    woken, wake = os.pipe()  # a byte arrives for each signal that has a Python handler (train.py's StopSignals)
+    woken, wake = os.pipe()  # a byte arrives for each signal that has a Python handler (runfolder.py's StopSignals)
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
     real = data.batches
@@ -744,14 +747,14 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
     for s in wds.tarfile_samples({"url": u} for u in shards):
         images.append(Image.open(io.BytesIO(s["png"])))
         attrs.append(json.loads(s["json"]))
-    acc = eval.judge_accuracy(images, attrs)
+    acc = evaluate.judge_accuracy(images, attrs)
     assert len(images) == 2000 and acc["all"] >= 0.98, acc
     for s in wds.tarfile_samples({"url": u} for u in shards):  # and each caption names what its picture shows
         a, words = json.loads(s["json"]), s["txt"].decode()
         named = lambda options: [o for o in options if re.search(rf"\b{o}\b", words)]
         assert [named(data.COLORS), named(data.SHAPES), named(data.POSITIONS)] == \
             [[a["color"]], [a["shape"]], [a["position"]]], (a, words)
-    assert eval.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
+    assert evaluate.judge(Image.new("RGB", (32, 32), (40, 40, 40)))["color"] is None  # blank: nothing seen
     # builtin-mixed: pictures of every bucket, each position a fraction of the width and height: graded alike
     mixed = data.make_builtin(str(tmp_path / "mixed"), n_shards=1, per_shard=1000, seed=7, mixed=True)
     by_size = collections.defaultdict(lambda: ([], []))
@@ -763,7 +766,7 @@ def test_judge_is_right_on_the_builtin_images(tmp_path):
     assert data.read_json(str(tmp_path / "mixed" / "manifest.json"))["buckets"] == \
         {"%dx%d" % size: len(imgs) for size, (imgs, _) in by_size.items()}
     for size, (imgs, attrs) in by_size.items():
-        assert eval.judge_accuracy(imgs, attrs)["all"] >= 0.97, size
+        assert evaluate.judge_accuracy(imgs, attrs)["all"] >= 0.97, size
 
 
 def test_builtin_data_is_deterministic_and_captions_vary(tmp_path):
@@ -1089,7 +1092,7 @@ def test_ema_0_keeps_no_copy_and_override_ema_starts_one_from_the_weights_or_dro
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     assert same(runs["0"], runs["0.9"]) and not same(runs["0"], seed1)  # the EMA changes no weight; --seed all
     size = {ema: os.path.getsize(tmp_path / ema / "ckpt.pt") for ema in runs}
-    weights = train.held_bytes(runs["0"].model.parameters())
+    weights = engine.held_bytes(runs["0"].model.parameters())
     assert abs(size["0.9"] - size["0"] - weights) < 0.05 * weights, (size, weights)  # --ema 0: its weights saved once
     before = {ema: torch.load(tmp_path / ema / "ckpt.pt", weights_only=True) for ema in runs}
     starts, real = [], train.train_step
@@ -1660,10 +1663,10 @@ def test_profile_puts_each_phases_time_in_that_phase(tmp_path, builtin16, monkey
     assert abs(res["share"]["encoders"] - 2 / 3) < 1e-3 and abs(res["step_ms"] - 900) < 0.1, res
 
 
-def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
+def test_profile_suite_prints_a_claims_row_per_claim(tmp_path):
     """Every claim's command, CPU and GPU sizes, is a valid profile.py command line; the suite runs two claims
     (ep on two ranks, full-size on --synthetic inputs; the others' paths run in the world-sizes, compile, bf16, MoE
-    and profile-modes tests) and prints a header and one table per claim."""
+    and profile-modes tests) and prints one CLAIMS.md row per claim: its numbers, command, commit and machine."""
     prof = load_profile_py()
     for key, _, argv in prof.claims(gpu=False) + prof.claims(gpu=True):
         args = prof.get_args(["compute"] * (argv[0] != "dataloader") + argv)  # a renamed flag exits with status 2
@@ -1672,26 +1675,21 @@ def test_profile_suite_prints_a_header_and_one_table_per_claim(tmp_path):
                         "--warmup-iters", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    said = r.stdout
-    assert f"## profile.py suite: CPU ({torch.get_num_threads()} threads)" in said
-    assert f"torch {torch.__version__}, CUDA none, peak FLOP/s unknown: no MFU" in said
-    sections = said.split("### ")[1:]
-    assert len(sections) == 2 and "failed" not in said
-    for sec in sections:  # a command, then a table whose rows are the compared values, each with a time
-        cmd = next(l for l in sec.splitlines() if l.startswith("`python profile.py"))
-        flag, values = cmd.split("--compare ")[1].split()[0].split("=")
-        head = next(l for l in sec.splitlines() if l.startswith("| --")).split(" | ")
-        rows = {l.split(" | ")[0][2:]: dict(zip(head, l.split(" | "))) for l in sec.splitlines()
-                if l.startswith("| ") and not l.startswith("| --")}
-        assert list(rows) == values.split(","), sec
-        assert all(float(row["step ms"].split()[0]) > 0 for row in rows.values()), sec
-        if flag == "ep":  # 2 ranks each: with --ep 2 the experts' rows travel (a phase of their own), half are held
-            assert float(rows["1"]["all_to_all ms"]) == 0 < float(rows["2"]["all_to_all ms"]), sec
-            for col in ("params MB/rank", "optimizer state MB/rank"):
-                assert float(rows["2"][col]) < float(rows["1"][col]), sec
-    assert "--synthetic 4,16,77,768" in said
-    assert open(tmp_path / "profile" / "suite.md").read().count("### ") == 2
-    assert set(json.load(open(tmp_path / "profile" / "compare_ep.json"))["medians"]) == {"1", "2"}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    rows = [l[2:-2].split(" | ") for l in open(tmp_path / "profile" / "suite.md") if l.startswith("| ")][2:]
+    assert len(rows) == 2 and "failed" not in r.stdout and all(row in r.stdout for row in map(" | ".join, rows))
+    medians = {key: json.load(open(tmp_path / "profile" / f"compare_{flag}.json"))["medians"]
+               for key, flag in (("ep", "ep"), ("full-size", "precision"))}
+    for (claim, measured, command, at, machine), key in zip(rows, ("full-size", "ep")):  # (the claims' order)
+        assert claim == next(title for k, title, _ in prof.claims(gpu=False) if k == key)
+        assert prof.get_args(command.strip("`").split()[2:]).compare  # the command, as written, parses
+        assert at.split("-")[0] == commit.strip() and machine.endswith(f"threads, torch {torch.__version__}")
+        for v, row in medians[key].items():  # each value's own median step, to the printed precision
+            assert f"{v}: step {row['step_ms']:.1f} ms" in measured, (v, measured)
+    assert "--synthetic 4,16,77,768" in rows[0][2]
+    ep = medians["ep"]  # 2 ranks each: with --ep 2 the experts' rows travel (a phase of their own), half are held
+    assert ep["1"]["all_to_all_ms"] == 0 < ep["2"]["all_to_all_ms"]
+    assert ep["2"]["param_mb"] < ep["1"]["param_mb"] and ep["2"]["opt_state_mb"] < ep["1"]["opt_state_mb"]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1763,8 +1761,8 @@ def test_ddp_and_fsdp_two_ranks_with_accumulation_match_one_process_with_the_sam
     # each rank holds about half of every weight and of its AdamW moments
     held = {k: json.loads(said["fsdp"].split(f"{k} bytes per rank: ")[1].splitlines()[0])
             for k in ("parameter", "optimizer state")}
-    whole = {"parameter": train.held_bytes(alone.model.parameters()),
-             "optimizer state": train.optimizer_bytes(alone.opt)}
+    whole = {"parameter": engine.held_bytes(alone.model.parameters()),
+             "optimizer state": engine.optimizer_bytes(alone.opt)}
     for k in held:
         assert all(0.4 < b / whole[k] <= 0.55 for b in held[k]), (held, whole)
     assert f"FSDP: each rank holds 1/2 of every weight, here {held['parameter'][0] / 2 ** 20:.2f} MB" in said["fsdp"]
@@ -1832,7 +1830,7 @@ def ep_runs(tmp_path_factory):
     flags = TINY + ["--data", identical_shards(tmp / "same"), "--image-size", "16", "--moe", "4", "--steps", "6",
                     "--lr", "2e-2", "--warmup", "2", "--ckpt-every", "3", "--sample-every", "3", "--workers", "1"]
     one = train.main(flags + ["--batch-size", "8", "--out", str(tmp / "one")])
-    said = dict(one=train.optimizer_bytes(one.opt))
+    said = dict(one=engine.optimizer_bytes(one.opt))
     two = flags + ["--batch-size", "4", "--dist", "ddp"]
     said["ep2"] = ranks(two + ["--ep", "2", "--out", str(tmp / "ep2")])
     for again, extra in (("again2", ["--ep", "2"]), ("again1", ["--ep", "1", "--moe-impl", "grouped"])):
@@ -1918,7 +1916,7 @@ def fsdp_moe_worker(rank, port, world=2):
         return (model(x[mine], t[mine], text[mine], mask[mine]) ** 2).mean()
     one = copy.deepcopy(model)
     ((loss(one, 0, False) + loss(one, 1, True)) / 2).backward()
-    train.FSDPEngine.shard([model], "cpu")
+    engine.FSDPEngine.shard([model], "cpu")
     loss(model, rank, rank == 1).backward()  # (a rank waiting for a gradient the other never makes: a hang)
     used = set(torch.cat([m.stats["idx"].flatten() for m in layers(model)]).tolist())
     assert (used & {2, 3} == set()) == (rank == 1), used
@@ -1968,7 +1966,7 @@ def zero2(tmp_path_factory):
     two = flags + ["--workers", "1", "--batch-size", "4"]
     one = train.main(flags + ["--batch-size", "8", "--out", str(tmp / "one")])
     said = dict(a=ranks(two + ["--dist", "deepspeed", "--out", str(tmp / "a")]),
-                one=train.optimizer_bytes(one.opt))
+                one=engine.optimizer_bytes(one.opt))
     a, b = tmp / "a", tmp / "b"
     shutil.copytree(a / "deepspeed" / "step000002", b / "deepspeed" / "step000002")
     shutil.copy(a / "ckpt.prev.pt", b / "ckpt.pt")
@@ -2102,7 +2100,7 @@ def test_a_missing_model_is_a_clear_error_naming_how_to_pre_cache_it_and_a_missi
                                                                                                        monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    for flag, load in (("--vae", load_vae), ("--text-encoder", TextEncoder), ("--clip-model", eval.load_clip)):
+    for flag, load in (("--vae", load_vae), ("--text-encoder", TextEncoder), ("--clip-model", evaluate.load_clip)):
         with pytest.raises(SystemExit, match="hf download .*HF_HOME.*save_pretrained"):
             load("no such model")  # not a folder, not a valid hub id: the hub is never asked
         for path in ("/no/such/model", "./model", "data/model"):  # a mistyped folder, not a hub repo "data/model"
@@ -2268,25 +2266,25 @@ def shapes_uint8(n, seed, colors=tuple(data.COLORS)):
     rng = random.Random(seed)
     ims = [data.render(rng.choice(colors), rng.choice(data.SHAPES), rng.choice(list(data.POSITIONS)), 16, rng)
            for _ in range(n)]
-    return eval.stack_uint8(ims, 16)
+    return evaluate.stack_uint8(ims, 16)
 
 
 def test_fid_is_the_frechet_distance_of_the_features_and_is_sees_diversity(tmp_path):
     from scipy import linalg
     net = make_feature_net(tmp_path / "feat.pt")
     a, b = shapes_uint8(64, 0), shapes_uint8(64, 1, colors=("red",))  # b: one colour only
-    nets = eval.feature_nets(net)
-    same, fresh, other = (eval.fid_is(a, x, nets) for x in (a, shapes_uint8(64, 2), b))
+    nets = evaluate.feature_nets(net)
+    same, fresh, other = (evaluate.fid_is(a, x, nets) for x in (a, shapes_uint8(64, 2), b))
     fa, fb = (nets[0](x).double().numpy() for x in (a, b))  # by hand: |mu_a - mu_b|^2 + Tr(Sa + Sb - 2 (Sa Sb)^1/2)
     sa, sb = np.cov(fa, rowvar=False), np.cov(fb, rowvar=False)
     hand = ((fa.mean(0) - fb.mean(0)) ** 2).sum() + np.trace(sa + sb - 2 * linalg.sqrtm(sa @ sb).real)
     assert math.isclose(other["fid"], hand, rel_tol=1e-3), (other["fid"], hand)
     assert abs(same["fid"]) < 1e-4 and other["fid"] > 2 * fresh["fid"] > 0  # a new draw sits closer than red-only
     same_image = a[:1].expand(64, -1, -1, -1)  # p(y|x) = p(y) for every x: IS = exp(0) = 1
-    assert math.isclose(eval.fid_is(a, same_image, nets)["inception_score"], 1, abs_tol=1e-4)
+    assert math.isclose(evaluate.fid_is(a, same_image, nets)["inception_score"], 1, abs_tol=1e-4)
     assert same["inception_score"] > 1.02  # varied images, varied labels
     # a network with one output serves both (IS then reads the features as logits)
-    single = eval.fid_is(a, b, eval.feature_nets(make_feature_net(tmp_path / "one.pt", logits=False)))
+    single = evaluate.fid_is(a, b, evaluate.feature_nets(make_feature_net(tmp_path / "one.pt", logits=False)))
     assert single["fid"] > 0 and math.isfinite(single["inception_score"])
 
 
@@ -2294,7 +2292,7 @@ def test_tiny_clip_gives_the_clip_score_by_hand_and_loads_as_a_text_encoder(tmp_
     from transformers import AutoTokenizer, CLIPModel, CLIPProcessor, CLIPTextModel
     folder = make_tiny_clip(tmp_path / "clip")
     images, captions = shapes_uint8(4, 0), ["a red circle", "a blue square", "x", "two words"]
-    score = eval.clip_score(images, captions, eval.load_clip(folder))  # what --clip-model <folder> runs
+    score = evaluate.clip_score(images, captions, evaluate.load_clip(folder))  # what --clip-model <folder> runs
     model, proc = CLIPModel.from_pretrained(folder).eval(), CLIPProcessor.from_pretrained(folder)
     x = proc(text=captions, images=list(images), return_tensors="pt", padding=True)
     with torch.no_grad():  # by hand: mean over pairs of max(100 cos(image, its caption), 0)
@@ -2302,7 +2300,7 @@ def test_tiny_clip_gives_the_clip_score_by_hand_and_loads_as_a_text_encoder(tmp_
         t = model.get_text_features(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).pooler_output
     hand = (100 * torch.cosine_similarity(i, t)).clamp(min=0).mean().item()
     assert hand > 1 and math.isclose(score, hand, rel_tol=1e-4), (score, hand)
-    assert not math.isclose(eval.clip_score(images, captions[::-1], eval.load_clip(folder)), hand, rel_tol=1e-3)
+    assert not math.isclose(evaluate.clip_score(images, captions[::-1], evaluate.load_clip(folder)), hand, rel_tol=1e-3)
     tok, text = AutoTokenizer.from_pretrained(folder), CLIPTextModel.from_pretrained(folder)
     caps = ["a red circle in the top left", "x"]
     t = tok(caps, padding="max_length", max_length=77, return_tensors="pt")
@@ -2318,13 +2316,13 @@ def test_missing_metric_model_is_a_clear_error(tmp_path, which):
     missing = str(tmp_path / "nowhere")
     with pytest.raises(SystemExit) as e:
         if which == "clip":
-            eval.load_clip(missing)
+            evaluate.load_clip(missing)
         elif which == "torchscript":
-            eval.feature_nets(missing)
+            evaluate.feature_nets(missing)
         else:
             if importlib.util.find_spec("torch_fidelity"):
                 pytest.skip("torch-fidelity is installed here")
-            eval.feature_nets("inception")
+            evaluate.feature_nets("inception")
     msg = str(e.value)
     fix = {"clip": ["--clip-model", missing, "no such folder", "save_pretrained"],
            "torchscript": ["--features", missing, "TorchScript"],
@@ -2360,17 +2358,17 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
     # the wiring, by hand: samples of the real captions (same seed) set against the real images, and the CLIPScore
     # of those samples against their own captions (real images in place of samples, or other captions, differ)
     model, encoder, _ = sample.load(os.path.join(out, "ckpt.pt"))
-    real, captions = eval.real_images(str(shards), 16, 10, 0)
+    real, captions = evaluate.real_images(str(shards), 16, 10, 0)
     drawn = lambda cfg, words: data.as_uint8(sample.sample_images(model, encoder, None, words, 2, cfg, 0,
                                                                    model.t_shift)[0])
-    fake, nets = drawn(2.0, captions), eval.feature_nets(str(tmp_path / "f.pt"))
+    fake, nets = drawn(2.0, captions), evaluate.feature_nets(str(tmp_path / "f.pt"))
     torch.rand(7)  # another state of the global RNG than sample.py's had: KID's subsets and IS's splits are the same
-    by_hand = eval.fid_is(real, fake, nets)
+    by_hand = evaluate.fid_is(real, fake, nets)
     assert by_hand["fid"] > 0.01 and all(math.isclose(scores[k], by_hand[k], rel_tol=1e-5)
                                          for k in ("fid", "kid", "kid_std", "inception_score")), (scores, by_hand)
     for cfg, words in ((3.0, captions), (2.0, captions[::-1])):  # other guidance, or captions: other samples, FID
-        assert not math.isclose(scores["fid"], eval.fid_is(real, drawn(cfg, words), nets)["fid"], rel_tol=1e-3)
-    clip_of = lambda images, words: eval.clip_score(images, words, eval.load_clip(clip))
+        assert not math.isclose(scores["fid"], evaluate.fid_is(real, drawn(cfg, words), nets)["fid"], rel_tol=1e-3)
+    clip_of = lambda images, words: evaluate.clip_score(images, words, evaluate.load_clip(clip))
     assert math.isclose(scores["clip_score"], clip_of(fake, captions), rel_tol=1e-4)  # (its batches round apart)
     assert not math.isclose(scores["clip_score"], clip_of(real, captions), rel_tol=1e-3)
     assert not math.isclose(scores["clip_score"], clip_of(fake, captions[::-1]), rel_tol=1e-3)
@@ -2400,7 +2398,7 @@ def test_data_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
         pytest.skip(f"python data.py emoji needs {data.EMOJI_FONT} (apt-get install fonts-noto-color-emoji)")
     r = run("emoji", tmp_path / "emoji", "--categories", "food", "--size", "16")
     assert r.returncode == 0, r.stderr[-3000:]
-    names = eval.names_set(str(tmp_path / "emoji"), 16)
+    names = evaluate.names_set(str(tmp_path / "emoji"), 16)
     assert "red apple" in names["names"] and len(names["real"]) == len(names["names"]) > 100
 
 
@@ -2505,7 +2503,7 @@ def emoji_set(tmp_path_factory):
 @pytest.mark.xdist_group("emoji_set")
 def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(emoji_set):
     out, glyphs = emoji_set
-    names = eval.names_set(out, 16)
+    names = evaluate.names_set(out, 16)
     assert names["names"] == [n for _, n, _ in glyphs] and sha256sum_check(out)[0] == 0
     samples = [s for shard in data.resolve_shards(out, 16) for s in wds.tarfile_samples([{"url": shard}])]
     captions = sorted(s["txt"].decode() for s in samples)
@@ -2519,22 +2517,22 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
 @pytest.mark.xdist_group("emoji_set")
 def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
     out, _ = emoji_set
-    names = eval.names_set(out, 16)
+    names = evaluate.names_set(out, 16)
     real = names["real"]
     want = torch.arange(len(real)).repeat(4)
-    near_misses = eval.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
-    good = eval.retrieval_scores(near_misses, want, names)  # trains NameNet on first use and caches it beside the set
+    near_misses = evaluate.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
+    good = evaluate.retrieval_scores(near_misses, want, names)  # trains NameNet on first use, cached beside the set
     assert os.path.exists(os.path.join(out, "namenet16.pt"))
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
-    wrong = eval.retrieval_scores(near_misses, want.roll(1), names)  # each picture under another's name
+    wrong = evaluate.retrieval_scores(near_misses, want.roll(1), names)  # each picture under another's name
     assert wrong["top1"] <= 0.2
     noise = data.as_uint8(torch.randn(len(want), 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5)
-    bad = eval.retrieval_scores(noise, want, names)
+    bad = evaluate.retrieval_scores(noise, want, names)
     assert bad["fid"] > 2 * good["fid"] and bad["kid"] > good["kid"] and bad["sharpness"] > 2
     speckled = data.as_uint8(real[want].float() / 127.5 - 1 + 0.1 * torch.randn(len(want), 3, 16, 16))
     blurred = data.as_uint8(F.avg_pool2d(real[want].float() / 127.5 - 1, 3, 1, 1, count_include_pad=False))
-    s_speckled = eval.retrieval_scores(speckled, want, names, fid=False)["sharpness"]
-    assert s_speckled > 1.2 and eval.retrieval_scores(blurred, want, names, fid=False)["sharpness"] < 0.8
+    s_speckled = evaluate.retrieval_scores(speckled, want, names, fid=False)["sharpness"]
+    assert s_speckled > 1.2 and evaluate.retrieval_scores(blurred, want, names, fid=False)["sharpness"] < 0.8
 
 
 @pytest.mark.xdist_group("emoji_set")
@@ -2544,18 +2542,19 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     r = subprocess.run([sys.executable, "profile.py", "recipe", *flags, "--emoji", out, "--compare", "cfg-drop=0.2",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [l.split(" | ") for l in r.stdout.splitlines() if l.startswith("| --")]
-    for v, row in zip(["0.2"], rows):  # each row: that setting's own runs, their own final scores
-        runs = {k: str(tmp_path / "recipe" / f"{k}_{v}") for k in ("shapes", "emoji")}
-        final = {k: [json.loads(l) for l in open(os.path.join(d, "log.jsonl"))][-1]["eval"] for k, d in runs.items()}
-        assert row[0].endswith(f"--cfg-drop {v}") and row[1] == f"{final['shapes']['all']:.1%}"
-        assert row[3:6] == [f"{final['emoji']['top1']:.1%}", f"{final['emoji']['top5']:.1%}",
-                            f"{final['emoji']['sharpness']:.2f}"] and float(row[2]) > 0 < float(row[6][:-2])
-        for k, d in runs.items():
-            saved = json.load(open(os.path.join(d, "args.json")))
-            assert (saved["data"], saved["steps"], saved["cfg_drop"]) == (out if k == "emoji" else "builtin", 4,
-                                                                           float(v))
-    assert len(rows) == 1 and open(tmp_path / "recipe" / "recipe.md").read().count("| --") == 1
+    rows = [l[2:-2].split(" | ") for l in r.stdout.splitlines() if l.startswith("| ")][2:]  # CLAIMS.md's rows
+    runs = {k: str(tmp_path / "recipe" / f"{k}_0.2") for k in ("shapes", "emoji")}
+    final = {k: [json.loads(l) for l in open(os.path.join(d, "log.jsonl"))][-1]["eval"] for k, d in runs.items()}
+    assert [row[0] for row in rows] == [f"{' '.join(flags)} --cfg-drop 0.2, {k}" for k in ("shapes", "emoji")]
+    assert rows[0][1].startswith(f"all three {final['shapes']['all']:.1%}, ")  # each run's own final scores
+    assert rows[1][1].startswith(f"top-1 {final['emoji']['top1']:.1%}, top-5 {final['emoji']['top5']:.1%}, "
+                                 f"sharpness {final['emoji']['sharpness']:.2f}, ")
+    assert all(float(row[1].split(", ")[-1][:-len(" min")]) > 0 for row in rows)
+    for (k, d), row in zip(runs.items(), rows):
+        saved = json.load(open(os.path.join(d, "args.json")))  # the row's command is the run's
+        assert (saved["data"], saved["steps"], saved["cfg_drop"]) == (out if k == "emoji" else "builtin", 4, 0.2)
+        assert row[2] == f"`python train.py {' '.join(flags)} --cfg-drop 0.2 --data {saved['data']} --out {d}`"
+    assert open(tmp_path / "recipe" / "recipe.md").read().count("| ") == 4
     run = str(tmp_path / "recipe" / "emoji_0.2")
     log = [json.loads(l) for l in open(os.path.join(run, "log.jsonl"))]
     periodic = next(r for r in log if "sample_acc" in r)
@@ -2573,17 +2572,17 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     assert scores["n"] == 16 and scores["cfg"] == 2 and scores["chance5"] == 5 / 8 and "retrieval top-1" in said
     # the wiring, by hand: every name twice in the held-out wording, drawn with the same noise, scored against the set
     model, encoder, _ = sample.load(os.path.join(run, "ckpt.pt"))
-    names = eval.names_set(out, 16)
+    names = evaluate.names_set(out, 16)
     want = torch.arange(8).repeat_interleave(2)
     heldout = lambda which: [names["heldout"].format(name=names["names"][i]) for i in which]
     drawn = lambda cfg, which: data.as_uint8(sample.sample_images(model, encoder, None, heldout(which), 2, cfg, 0,
                                                                   model.t_shift)[0])
-    by_hand = eval.retrieval_scores(drawn(2.0, want), want, names, fid=True)
+    by_hand = evaluate.retrieval_scores(drawn(2.0, want), want, names, fid=True)
     assert all(math.isclose(scores[k], by_hand[k], rel_tol=1e-6) for k in ("top1", "top5", "sharpness", "fid"))
     for cfg, which in ((0.0, want), (2.0, want.roll(2))):  # the caption ignored, or other names: other samples
-        assert not math.isclose(eval.retrieval_scores(drawn(cfg, which), want, names)["fid"], by_hand["fid"],
+        assert not math.isclose(evaluate.retrieval_scores(drawn(cfg, which), want, names)["fid"], by_hand["fid"],
                                 rel_tol=1e-3)
-    real = eval.retrieval_scores(names["real"][want], want, names, fid=True)  # the real pictures in place of samples
+    real = evaluate.retrieval_scores(names["real"][want], want, names, fid=True)  # the real pictures as samples
     assert (real["top1"], real["fid"]) != (by_hand["top1"], by_hand["fid"]), real
     assert os.path.exists(os.path.join(run, "eval_2steps_cfg2.png"))
 
@@ -2958,3 +2957,71 @@ def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
     m.load_state_dict(child["model"])  # the weights after one (1e-12) step
     inputs = toy_inputs(D_text=384)
     assert torch.allclose(m(*inputs), d(*inputs), atol=1e-5)  # (the bug restored the random init: far off)
+
+
+# -----------------------------------------------------------------------------------------------
+# The documentation: every command in README.md and CLAIMS.md runs as written
+# -----------------------------------------------------------------------------------------------
+def documented_commands(path):
+    """A markdown file's commands -> [(in a code block?, the text, argv)]: each command of a ```bash block (a line,
+    joined over a trailing backslash or an open quote, its comment dropped, split at && ; ( )) and each `backticked`
+    span, that runs a script with python or torchrun (python -c is code, not a script) or runs run.slurm."""
+    def commands(line):  # as a shell splits it: quotes kept together, then split at the control operators
+        lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lex.whitespace_split, lex.commenters, argvs = True, "#", [[]]
+        for token in lex:
+            argvs.append([]) if token in ("&&", ";", "(", ")", "||", "|") else argvs[-1].append(token)
+        return argvs
+    text, found = open(os.path.join(ROOT, path), encoding="utf-8").read(), []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        line = ""
+        for part in block.replace("\\\n", " ").splitlines():
+            try:
+                found += [(True, line + part, argv) for argv in commands(line + part)]
+                line = ""
+            except ValueError:  # a quote left open: the command goes on on the next line
+                line += part + "\n"
+        assert not line, (path, line)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # (a span may wrap onto the next line)
+    found += [(False, span, argv) for span in re.findall(r"`([^`]+)`", prose) for argv in commands(span)]
+    return [(block, line, argv) for block, line, argv in found if argv[:1] in (["python"], ["torchrun"]) and
+            any(a.endswith((".py", "run.slurm")) for a in argv) or "run.slurm" in argv]
+
+
+def script_and_flags(argv):
+    """python X.py FLAGS, torchrun [its options] X.py FLAGS, [sbatch|srun] [options] run.slurm FLAGS (train.py's)
+    -> (script, FLAGS)."""
+    at = next(i for i, a in enumerate(argv) if a.endswith((".py", "run.slurm")))
+    return ("train.py" if argv[at].endswith("run.slurm") else argv[at]), argv[at + 1:]
+
+
+def test_every_documented_command_parses_and_the_readme_runs_in_order():
+    """Each python / torchrun / run.slurm command of README.md and CLAIMS.md parses with its script's own parser (a
+    misspelt flag or a missing value fails), and the README's code blocks run as a fresh clone would run them, in
+    order: no two fresh training runs write one --out, and each --data, --init, --ckpt path is written earlier."""
+    parsers = {"train.py": train.get_parser, "sample.py": sample.get_parser, "data.py": data.get_parser,
+               "profile.py": lambda: load_profile_py().get_parser(), "model.py": lambda: argparse.ArgumentParser()}
+    parsed, written, outs = [], {data.BUILTIN, data.MIXED}, {}
+    for path in ("README.md", "CLAIMS.md"):
+        for block, line, argv in documented_commands(path):
+            script, flags = script_and_flags(argv)
+            assert script in parsers, (path, line)
+            try:
+                parsed.append((path, block, line, script, parsers[script]().parse_args(flags)))
+            except SystemExit:
+                pytest.fail(f"{path}: `{line}` does not parse with {script}'s flags (argparse says why above)")
+    assert sum(path == "CLAIMS.md" for path, *_ in parsed) >= 40  # (the record's commands were all read)
+    for _, _, line, script, a in [p for p in parsed if p[0] == "README.md" and p[1]]:  # the tutorial, in order
+        for flag, value in (("--data", getattr(a, "data", None)), ("--init", getattr(a, "init", None)),
+                            ("--ckpt", getattr(a, "ckpt", None))):
+            if value and script != "profile.py":
+                assert value in written, f"README: `{line}`: {flag} {value} is written by no earlier command"
+        if script == "train.py":
+            if not a.resume and not a.auto_resume:
+                assert a.out not in outs, f"README: `{line}` trains into {a.out}, as `{outs.get(a.out)}` does"
+                outs[a.out] = line
+            written |= {a.out, f"{a.out}/ckpt.pt"}
+        elif script == "sample.py" and a.pairs:
+            written.add(a.out)
+        elif script == "data.py":
+            written.add(a.out)

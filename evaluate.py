@@ -1,4 +1,4 @@
-"""eval.py -- how good are the samples? Scores that need no download, and the standard ones (FID, IS, CLIPScore).
+"""evaluate.py -- how good are the samples? Scores that need no download, and the standard ones (FID, IS, CLIPScore).
 
     judge(image) -> {color, shape, position}          the built-in shapes: read off the picture by rule
     judge_accuracy(images, attributes)                how often each attribute, and all three, are right
@@ -276,7 +276,7 @@ def feature_nets(spec, weights=None):
                          f"needs `pip install torch-fidelity` (which needs a torchvision matching your torch) and "
                          f"its weights: --inception-weights FILE, or weights-inception-2015-12-05-6726825d.pth in "
                          f"{torch.hub.get_dir()}/checkpoints. Or, where that works, export it once with "
-                         f"torch.jit.trace and pass --features FILE.pt (eval.feature_nets' docstring: how).") from e
+                         f"torch.jit.trace and pass --features FILE.pt (evaluate.feature_nets' docstring: how).") from e
 
 
 def load_clip(name):
