@@ -240,7 +240,9 @@ def pad(seqs, masks=None):
 def bert(w, cfg, ids, mask):
     """BERT's encoder, as MiniLM has it (arXiv 1810.04805; 2002.10957): ids (B, L), mask (B, L) -> states (B, L, D).
     x = LN(word + position + segment-0 embeddings); per layer (post-LN): x = LN(x + Attention(x)) with padding
-    never a key, x = LN(x + W2 GELU(W1 x)). `w` is the Hugging Face checkpoint's tensors by their names."""
+    never a key, x = LN(x + W2 GELU(W1 x)). `w` is the Hugging Face checkpoint's tensors by their names. Kept rather
+    than transformers' BertModel on the same folder: that gives the same ids but sums the embeddings in another order,
+    so every caption's fp16 states move by a rounding step (CLAIMS.md), and with them every run trained on MiniLM."""
     lin = lambda x, name: F.linear(x, w[name + ".weight"], w[name + ".bias"])
     norm = lambda x, name: F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w[name + ".bias"], cfg["layer_norm_eps"])
     B, L = ids.shape

@@ -1676,7 +1676,7 @@ def test_profile_suite_prints_a_claims_row_per_claim(tmp_path):
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    rows = [l[2:-2].split(" | ") for l in open(tmp_path / "profile" / "suite.md") if l.startswith("| ")][2:]
+    rows = [l.strip()[2:-2].split(" | ") for l in open(tmp_path / "profile" / "suite.md") if l.startswith("| ")][1:]
     assert len(rows) == 2 and "failed" not in r.stdout and all(row in r.stdout for row in map(" | ".join, rows))
     medians = {key: json.load(open(tmp_path / "profile" / f"compare_{flag}.json"))["medians"]
                for key, flag in (("ep", "ep"), ("full-size", "precision"))}
@@ -2542,7 +2542,7 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     r = subprocess.run([sys.executable, "profile.py", "recipe", *flags, "--emoji", out, "--compare", "cfg-drop=0.2",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [l[2:-2].split(" | ") for l in r.stdout.splitlines() if l.startswith("| ")][2:]  # CLAIMS.md's rows
+    rows = [l[2:-2].split(" | ") for l in r.stdout.splitlines() if l.startswith("| ")][1:]  # CLAIMS.md's rows
     runs = {k: str(tmp_path / "recipe" / f"{k}_0.2") for k in ("shapes", "emoji")}
     final = {k: [json.loads(l) for l in open(os.path.join(d, "log.jsonl"))][-1]["eval"] for k, d in runs.items()}
     assert [row[0] for row in rows] == [f"{' '.join(flags)} --cfg-drop 0.2, {k}" for k in ("shapes", "emoji")]
@@ -2554,7 +2554,8 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
         saved = json.load(open(os.path.join(d, "args.json")))  # the row's command is the run's
         assert (saved["data"], saved["steps"], saved["cfg_drop"]) == (out if k == "emoji" else "builtin", 4, 0.2)
         assert row[2] == f"`python train.py {' '.join(flags)} --cfg-drop 0.2 --data {saved['data']} --out {d}`"
-    assert open(tmp_path / "recipe" / "recipe.md").read().count("| ") == 4
+    written = open(tmp_path / "recipe" / "recipe.md").read().splitlines()[2:]
+    assert written == ["| " + " | ".join(row) + " |" for row in rows]  # the rows printed, written
     run = str(tmp_path / "recipe" / "emoji_0.2")
     log = [json.loads(l) for l in open(os.path.join(run, "log.jsonl"))]
     periodic = next(r for r in log if "sample_acc" in r)
