@@ -350,7 +350,17 @@ def make_loader(shards, batch_size, size, seed, epoch, rank=0, world=1, workers=
     ds = ShardStream(shards, batch_size, size, seed, epoch, rank, world, resume=resume, first=first)
     # an explicit generator keeps DataLoader from drawing its base seed from the global RNG
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=leave_stops_to_rank,
-                                       generator=torch.Generator().manual_seed(seed), persistent_workers=workers > 0)
+                                       generator=torch.Generator().manual_seed(seed), persistent_workers=workers > 0,
+                                       pin_memory=torch.cuda.is_available())  # (so copies to the GPU are async)
+
+
+def default_workers():
+    """Loader processes where --workers is not given: none on a CPU, whose cores run the model; on a GPU this
+    process's share of the cores (torchrun: LOCAL_WORLD_SIZE processes a node), less its own, at most 8."""
+    if not torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 
 
 def leave_stops_to_rank(worker_id):

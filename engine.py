@@ -29,11 +29,11 @@ class Engine:
     def __init__(self, args, model, opt, dev, world, local_rank):
         self.model, self.opt, self.world, self.grad_accum = model, opt, world, args.grad_accum
         self.forward = torch.compile(model) if args.compile else model
-        if world > 1 and not self.sharded:  # compile, then wrap; DDP finds idle experts' unused parameters (not --ep's)
+        if world > 1 and not self.sharded:  # compile, then wrap. Every weight gets a gradient in every step (an
+            # expert no token reached is a row of its layer's stacked weights), so DDP need not search for unused ones
             self.forward._ddp_params_and_buffers_to_ignore = moe.ep_sharded_names(self.forward)  # (see moe.py)
             self.forward = torch.nn.parallel.DistributedDataParallel(
-                self.forward, device_ids=[local_rank] if dev == "cuda" else None,
-                find_unused_parameters=args.moe > 0 and args.ep == 1)
+                self.forward, device_ids=[local_rank] if dev == "cuda" else None)
 
     def micro_batch(self, last):
         """Context for one micro-batch's forward and backward: DDP all-reduces only in the last one's backward."""
@@ -102,13 +102,19 @@ class FSDPEngine(Engine):
     sharded = True
 
     @staticmethod
-    def shard(models, dev):
-        """Before the optimizer is built: each block, then the rest (embeddings, final layer), of each model."""
-        from torch.distributed.fsdp import fully_shard
+    def shard(models, dev, bf16=False):
+        """Before the optimizer is built: each block, then the rest (embeddings, final layer), of each model. bf16:
+        the trained model's blocks (nearly all its weights) are gathered in bf16, half the bytes, and compute in it,
+        fp32 in and out; their gradients are reduce-scattered in fp32 and AdamW updates the fp32 shards. The rest,
+        and the EMA, which only samples, are gathered as they are kept."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = torch.distributed.device_mesh.init_device_mesh(dev, (dist.get_world_size(),))
-        for m in models:  # bf16: autocast, as in DDP (fp32 weights gathered, bf16 matmuls, fp32 gradients reduced)
+        half = MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32)
+        for m in models:
             for module in [*m.blocks, m]:  # (the root too: between steps no rank holds anything whole)
-                fully_shard(module, mesh=mesh, reshard_after_forward=True)
+                bf16_here = bf16 and m is models[0] and module is not m
+                fully_shard(module, mesh=mesh, reshard_after_forward=True,
+                            mp_policy=half if bf16_here else MixedPrecisionPolicy())
         # (--moe: each weight holds all experts stacked, so an expert no token reached on one rank still has its
         # (zero) rows in a gradient: every rank reduce-scatters the same tensors, and none waits for another)
 

@@ -226,6 +226,13 @@ def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def to_device(tensor, dev):
+    """A host tensor onto the device; onto a GPU from pinned memory and asynchronously, so the host does not wait."""
+    if str(dev).startswith("cuda") and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(dev, non_blocking=True)
+
+
 # ---- Frozen encoders: what the model reads through (text encoder, VAE); never trained -------------------------------
 def pad(seqs, masks=None):
     """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L) bool, L the longest here; row i of the
@@ -347,7 +354,7 @@ class TextEncoder:
         tokens, mask = pad([self.cache[c] for c in captions])
         while len(self.cache) > self.cache_size:  # (least recently used first)
             self.cache.popitem(last=False)
-        return tokens.float().to(self.device), mask.to(self.device)
+        return to_device(tokens, self.device).float(), to_device(mask, self.device)
 
 
 class VAE:

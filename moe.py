@@ -238,8 +238,9 @@ def balance_loss(model, world=False):
     global batch's loss whatever its split (P is a mean over equal shares of the tokens). --balance bias: adds f to
     the layer's `loads`, which nudge_biases spends (call it right after the forward: --grad-ckpt routes again)."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.stats]
+    zero = torch.zeros((), device=next(model.parameters()).device)  # (made there: a copy from the host would wait)
     if not layers:
-        return torch.zeros(())
+        return zero
     counts = torch.stack([m.counts for m in layers]).float()  # (layers, E)
     if world:
         dist.all_reduce(counts)
@@ -249,7 +250,7 @@ def balance_loss(model, world=False):
             m.loads = m.loads + f
         else:
             aux.append(m.alpha * m.E * (f * m.mean_prob).sum())
-    return sum(aux) if aux else torch.zeros(())
+    return sum(aux) if aux else zero
 
 
 def count_params(model):

@@ -160,6 +160,8 @@ def load_checkpoint(run, args):
     """Resume every model, optimizer, RNG and data state, the flags checked first -> (file, {flag: (saved, now)})."""
     name, ckpt = read_checkpoint(args.out, run.rank)
     DiT.check_layout(ckpt, f"{args.out}/{name}")
+    if args.workers is None:  # not given: the checkpoint's, so that its data stream goes on (another machine's default
+        args.workers = ckpt["args"]["workers"]  # would change it)
     changed = {k: (v, getattr(args, k)) for k in TRAJECTORY if (v := ckpt["args"].get(k)) != getattr(args, k)}
     refused = {k: v for k, v in changed.items() if k not in args.override}
     if refused:

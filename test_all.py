@@ -1925,6 +1925,36 @@ def fsdp_moe_worker(rank, port, world=2):
     torch.distributed.destroy_process_group()
 
 
+def fsdp_bf16_worker(rank, port, world=2):
+    """One of 2 gloo ranks: a DiT under FSDP with --precision bf16's policy -> its blocks run on bf16 weights, the
+    rest and its output stay fp32, and each gradient shard is fp32 and the whole batch's, as one process's under
+    bf16 autocast to bf16's precision."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    model, (x, t, text, mask) = randomize(tiny_model()), toy_inputs(B=2 * world)
+    mine = slice(2 * rank, 2 * rank + 2)
+    one = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        one(x, t, text, mask).float().square().mean().backward()  # (the whole batch: the mean of the ranks')
+    engine.FSDPEngine.shard([model], "cpu", bf16=True)
+    seen = {}  # (hooks after FSDP's own: they see the weights as gathered for the forward)
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.update(block=next(m.parameters()).dtype))
+    model.final.register_forward_pre_hook(lambda m, a: seen.update(final=next(m.parameters()).dtype))
+    out = model(x[mine], t[mine], text[mine], mask[mine])
+    out.square().mean().backward()
+    assert seen == dict(block=torch.bfloat16, final=torch.float32) and out.dtype == torch.float32, seen
+    for name, p in model.named_parameters():
+        grad, want = p.grad.full_tensor(), one.get_parameter(name).grad
+        assert p.dtype == grad.dtype == torch.float32, name  # AdamW's shards and their gradients: fp32
+        assert torch.allclose(grad, want, atol=2e-3, rtol=5e-2), (name, (grad - want).abs().max())
+    torch.distributed.destroy_process_group()
+
+
+def test_fsdp_bf16_gathers_the_blocks_in_bf16_and_reduces_fp32_gradients():
+    worker_ranks(fsdp_bf16_worker, 2)
+
+
 def test_fsdp_moe_step_completes_where_a_rank_s_experts_get_no_token():
     worker_ranks(fsdp_moe_worker, 2)
 
@@ -2767,6 +2797,18 @@ def test_an_error_while_loader_workers_run_ends_the_process_instead_of_hanging_i
     assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: failed with the stream open"), r.stderr
 
 
+def test_loader_workers_default_to_none_on_a_cpu_and_to_the_cores_of_a_gpu_process(monkeypatch):
+    assert train.get_args(["--out", "out/unused"]).workers == 0 == data.default_workers()  # (this CPU: no GPU)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(17)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node, 8 cores each, one for the rank
+    assert data.default_workers() == 7 and train.get_args(["--out", "out/unused"]).workers == 7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert data.default_workers() == 8 and train.get_args(["--workers", "2", "--out", "out/unused"]).workers == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert data.default_workers() == 1  # (at least one: the loader never runs in the training process on a GPU)
+
+
 def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkeypatch):
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + ["--data", ",".join(small), "--image-size", "16", "--warmup", "2"]
@@ -2777,7 +2819,10 @@ def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkey
                         (["--steps", "4", "--lr", "1e-3", "--batch-size", "8"], r"--batch-size: 16 .* 8 now")):
         with pytest.raises(SystemExit, match=msg):
             train.main(flags + change + ["--out", out, "--resume"])
-    train.main(flags + ["--steps", "8", "--lr", "1e-3", "--override", "steps", "--out", out, "--resume"])
+    # --workers not given: its default here (as on a GPU machine) would change the stream; the resume keeps the run's
+    monkeypatch.setattr(data, "default_workers", lambda: 3)
+    unset = flags[:flags.index("--workers")] + flags[flags.index("--workers") + 2:]
+    train.main(unset + ["--steps", "8", "--lr", "1e-3", "--override", "steps", "--out", out, "--resume"])
     log = [strict_json(l) for l in open(os.path.join(out, "log.jsonl"))]
     resumes = [r["resume"] for r in log if "resume" in r]
     assert resumes == [{"step": 4, "checkpoint": "ckpt.pt", "changed": {"steps": [4, 8]}}]

@@ -28,7 +28,7 @@ import moe
 import runfolder
 import sample
 from engine import Engine, FSDPEngine, init_distributed, make_engine
-from model import MODELS, DiT, TextEncoder, load_vae, preset
+from model import MODELS, DiT, TextEncoder, load_vae, preset, to_device
 from runfolder import CKPT, TRAJECTORY, Interrupted, StopSignals, end, holds_checkpoint, log_step, save_checkpoint
 
 
@@ -73,7 +73,8 @@ def get_parser():
     a("--dist", default="none", choices=["none", "ddp", "deepspeed", "fsdp"],
       help="under torchrun: DDP, DeepSpeed ZeRO-2, or FSDP2 (every weight split over the ranks too)")
     a("--seed", type=int, default=0, help="seed of data order, noise, times and caption drop")
-    a("--workers", type=int, default=int(torch.cuda.is_available()), help="loader processes (CPU: 0, cores are busy)")
+    a("--workers", type=int, help="loader processes (default: 0 on a CPU, whose cores run the model; on a GPU this "
+      "process's share of the cores, at most 8; a resumed run keeps its checkpoint's)")
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, TensorBoard events, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt (unreadable: ckpt.prev.pt)")
     a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start (requeued jobs)")
@@ -116,6 +117,8 @@ def get_args(argv=None, parser=None):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
     found = holds_checkpoint(args.out)
     args.resume = args.resume or (args.auto_resume and found)
+    if args.workers is None and not args.resume:  # (a resume takes its checkpoint's: runfolder.load_checkpoint)
+        args.workers = data.default_workers()
     if args.resume and not found:
         p.error(f"--resume: no checkpoint at {args.out}/{CKPT}; drop --resume to start fresh")
     return args
@@ -178,7 +181,7 @@ def setup(args, shape=None):
     copies = [model, ema] if args.ema else [model]
     moe.shard_experts(copies, args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
     if args.dist == "fsdp":  # each rank keeps 1 / world of every weight, so of its gradient and AdamW state
-        FSDPEngine.shard(copies, dev)
+        FSDPEngine.shard(copies, dev, bf16=args.precision == "bf16")
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
@@ -232,7 +235,7 @@ def train_step(run, args, micro_batches, mark=None):
         with run.engine.micro_batch(last=i == len(micro_batches) - 1):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.engine.forward, x0, text, mask, t_all[mine], eps, args.contrast)
-                balance_i = moe.balance_loss(run.model, run.world > 1).to(loss_i.device)  # (0 for a dense model)
+                balance_i = moe.balance_loss(run.model, run.world > 1)  # (0 for a dense model)
             mark("forward")
             run.engine.backward(loss_i + balance_i)
             mark("backward")
@@ -260,10 +263,11 @@ def train_step(run, args, micro_batches, mark=None):
 def encode_batch(run, batch):
     """A loader batch -> (x0, text, mask, noise) on the device, through the frozen VAE and text encoder (or
     precomputed); noise: a reflow pair's, else None (the step draws it)."""
-    if "latent" in batch:
-        noise = None if batch.get("noise") is None else batch["noise"].to(run.dev).float()
-        return batch["latent"].to(run.dev).float(), batch["text"].to(run.dev).float(), batch["mask"].to(run.dev), noise
-    x0, (text, mask) = batch["image"].to(run.dev, non_blocking=True), run.encoder(batch["caption"])  # (cached)
+    if "latent" in batch:  # (copies from the loader's pinned memory: the host does not wait for them)
+        noise = None if batch.get("noise") is None else to_device(batch["noise"], run.dev).float()
+        latent, text, mask = (to_device(batch[k], run.dev) for k in ("latent", "text", "mask"))
+        return latent.float(), text.float(), mask, noise
+    x0, (text, mask) = to_device(batch["image"], run.dev), run.encoder(batch["caption"])  # (cached)
     return (x0 if run.vae is None else run.vae.encode(x0)), text, mask, None
 
 
