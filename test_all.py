@@ -2944,10 +2944,14 @@ def launch_and_signal(out, flags, signum, to_all=False):
                     "train.StopSignals.__init__, train.train_step = init, step\n"
                     "if os.environ['RANK'] == '1': train.StopSignals.watch = lambda self, launcher: None\n"
                     "train.main()\n")
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          free_port(), str(gate), *flags, "--out", str(out)], cwd=ROOT, text=True,
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          str(gate), *flags, "--out", str(out)], cwd=ROOT, text=True,  # (its own free port: no race)
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for_log_lines(out / "log.jsonl", 5)
+    try:
+        wait_for_log_lines(out / "log.jsonl", 5)
+    except AssertionError as e:  # say what torchrun and its ranks said
+        p.kill()
+        raise AssertionError(f"{e}; torchrun said: {p.communicate()[0][-3000:]}") from None
     pids = lambda *a: [int(pid) for pid in subprocess.run(["pgrep", *a], capture_output=True, text=True).stdout.split()]
     assert len(pids("-P", str(p.pid))) == 2  # the ranks; their loader workers have the same command line
     for pid in pids("-f", str(out)) if to_all else [p.pid]:  # (loader workers leave it to their rank)
