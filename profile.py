@@ -238,6 +238,12 @@ def strip(argv, with_value, switches=()):
     return [a for i, a in enumerate(argv) if not (i in values or a.split("=")[0] in with_value or a in switches)]
 
 
+def flag_args(flag, value):
+    """FLAG=value of --compare as train.py flags: a switch is given (on) or not (off); other flags take the value."""
+    switch = getattr(train.get_parser()._option_string_actions.get(f"--{flag}"), "nargs", None) == 0
+    return ([f"--{flag}"] if value == "on" else []) if switch else [f"--{flag}", value]
+
+
 def compare(args, argv):
     """Each value of FLAG in fresh processes, alternating -> (medians per value, the printed table)."""
     flag, values = args.compare.split("=", 1)
@@ -248,7 +254,7 @@ def compare(args, argv):
         for r in range(repeats):
             for v in values:
                 out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")  # (a value may be a path)
-                extra = [] if v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
+                extra = flag_args(flag, v)
                 if flag == "grad-accum":  # the same global batch: accum x micro-batch = --batch-size
                     extra += ["--batch-size", str(args.batch_size // int(v))]
                 ranks, env = "1", dict(os.environ)
@@ -448,7 +454,7 @@ def recipe(args, argv):
     base = strip(argv, {"--compare", "--emoji", "--out", "--json", "--data"}, {"recipe"})
     md = ["| claim | measured | command | commit | machine |", "|---|---|---|---|---|"]
     for v in values.split(","):
-        extra = [] if not flag or v == "off" else [f"--{flag}"] if v == "on" else [f"--{flag}", v]
+        extra = flag_args(flag, v) if flag else []
         for name, where in (("shapes", data.BUILTIN), ("emoji", args.emoji)):
             out = os.path.join(args.out, "recipe", f"{name}{'_' + v if flag else ''}".replace(os.sep, "_"))
             flags = base + extra + ["--data", where, "--out", out]

@@ -1501,24 +1501,34 @@ def test_compiled_moe_compiles_once_and_never_recompiles(impl, precision, tmp_pa
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    graphs, real = [], train.train_step
+    graphs, lengths, real, encode = [], [], train.train_step, train.encode_batch
 
     def step(S, *a):
         graphs.append(counters["stats"]["unique_graphs"])
         return real(S, *a)
+
+    def encoded(S, batch):  # (the longest caption's tokens, and the length the model sees)
+        x0, text, mask, noise = encode(S, batch)
+        lengths.append((int(mask.sum(1).max()), text.shape[1]))
+        return x0, text, mask, noise
     monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(train, "encode_batch", encoded)
     # graphs and recompiles are dynamo's, whatever the backend: aot_eager traces the same graphs through AOT autograd,
     # without inductor's code generation (slow on a cold cache; `python profile.py suite` runs inductor)
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda m: compile_(m, backend="aot_eager"))
-    flags = TINY + ["--image-size", "16", "--moe", "4", "--moe-impl", impl, "--precision", precision, "--steps", "8",
-                    "--log-every", "4"]
-    train.main(flags + ["--compile", "--out", str(tmp_path / "run")])
+    words = [f"a {'very ' * (i % 7)}red square" for i in range(64)]  # (captions of 4 to 10 words)
+    write_shard(str(tmp_path / "s0.tar"), [{"__key__": str(i), "png": png(), "txt": w} for i, w in enumerate(words)])
+    flags = TINY + ["--data", str(tmp_path / "s0.tar"), "--image-size", "16", "--moe", "4", "--moe-impl", impl,
+                    "--precision", precision, "--steps", "8", "--log-every", "4", "--batch-size", "4"]
+    train.main(flags + ["--compile", "on", "--out", str(tmp_path / "run")])
     graphs.append(counters["stats"]["unique_graphs"])
-    # routing differs every step; a data-dependent shape in the graph would compile again (up to
-    # dynamo's recompile limit). grouped: one graph; sorted: its dispatches run eagerly between graphs, which cut the
+    # routing differs every step, and so does the longest caption; a data-dependent shape in the graph, or a text
+    # length, would compile again. grouped: one graph; sorted: its dispatches run eagerly between graphs, which cut the
     # frames around them (the forward's too, so DiT.positions is a graph of its own): 12 in all
-    assert graphs[2] == graphs[-1] and graphs[-1] <= (1 if impl == "grouped" else 12), graphs
+    assert len({real for real, _ in lengths}) > 1 and {seen for _, seen in lengths} == {32}, lengths  # (MiniLM's 32)
+    first = 1 if impl == "grouped" else 2  # (sorted: a frame after a graph break meets the text stream in step 2)
+    assert graphs[first] == graphs[-1] and graphs[-1] <= (1 if impl == "grouped" else 12), graphs
     if precision == "fp32":  # and the compiled step computes what the eager one does
         train.main(flags + ["--out", str(tmp_path / "eager")])
         losses = [[json.loads(l)["loss"] for l in open(tmp_path / r / "log.jsonl") if '"loss"' in l]
@@ -2797,12 +2807,16 @@ def test_an_error_while_loader_workers_run_ends_the_process_instead_of_hanging_i
     assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: failed with the stream open"), r.stderr
 
 
-def test_loader_workers_default_to_none_on_a_cpu_and_to_the_cores_of_a_gpu_process(monkeypatch):
-    assert train.get_args(["--out", "out/unused"]).workers == 0 == data.default_workers()  # (this CPU: no GPU)
+def test_a_gpu_compiles_and_loads_with_its_cores_by_default_a_cpu_neither(monkeypatch):
+    cpu = train.get_args(["--out", "out/unused"])  # (this CPU: no GPU)
+    assert cpu.workers == 0 == data.default_workers() and cpu.compile is False
+    assert train.get_args(["--compile", "on", "--out", "out/unused"]).compile is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(17)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node, 8 cores each, one for the rank
-    assert data.default_workers() == 7 and train.get_args(["--out", "out/unused"]).workers == 7
+    gpu = train.get_args(["--out", "out/unused"])
+    assert data.default_workers() == 7 == gpu.workers and gpu.compile is True
+    assert train.get_args(["--compile", "off", "--out", "out/unused"]).compile is False
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert data.default_workers() == 8 and train.get_args(["--workers", "2", "--out", "out/unused"]).workers == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)

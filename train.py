@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import data
 import evaluate
@@ -68,7 +69,8 @@ def get_parser():
     a("--cfg-drop", type=float, default=0.1, help="probability of training on the null caption (for guidance)")
     a("--ema", type=float, default=0.0, help="EMA decay of the weights samples use (0: the trained weights, no copy)")
     a("--precision", choices=["fp32", "bf16"], help="default: bf16 autocast on CUDA, fp32 on CPU")
-    a("--compile", action="store_true", help="torch.compile the training forward and backward")
+    a("--compile", choices=["on", "off"], help="torch.compile the training forward and backward (default: on with a "
+      "GPU, off on a CPU); the text is then padded to one length, so that each picture size compiles once")
     a("--grad-ckpt", action="store_true", help="activation checkpointing: recompute each block in the backward")
     a("--dist", default="none", choices=["none", "ddp", "deepspeed", "fsdp"],
       help="under torchrun: DDP, DeepSpeed ZeRO-2, or FSDP2 (every weight split over the ranks too)")
@@ -112,6 +114,7 @@ def get_args(argv=None, parser=None):
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ...")
     if args.ep > 1 and (args.dist != "ddp" or (args.moe or 1) % args.ep or int(os.environ["WORLD_SIZE"]) % args.ep):
         p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed or fsdp) and --moe E, E and the ranks multiples of it")
+    args.compile = (args.compile or ("on" if torch.cuda.is_available() else "off")) == "on"
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
@@ -151,6 +154,7 @@ class Run:
     names: dict = None             # a names set (python data.py emoji): retrieval scores samples
     log: object = None             # log.jsonl, open on rank 0
     t_start: float = 0.0           # time.time() at start-up
+    text_len: int = None           # --compile: every batch's text padded to this many tokens (one graph a bucket)
 
 
 def setup(args, shape=None):
@@ -195,7 +199,7 @@ def setup(args, shape=None):
     gen = torch.Generator(dev).manual_seed(args.seed)
     engine = make_engine(args, model, opt, dev, world, local_rank)  # the step calls only its interface
     return Run(dev=dev, rank=rank, world=world, config=config, model=model, ema=ema, opt=opt, sched=sched,
-               engine=engine, gen=gen, encoder=encoder, vae=vae,
+               engine=engine, gen=gen, encoder=encoder, vae=vae, text_len=encoder.max_len if args.compile else None,
                bad_steps={k: torch.zeros((), device=dev) for k in ("total", "in_a_row", "longest")})
 
 
@@ -265,10 +269,15 @@ def encode_batch(run, batch):
     precomputed); noise: a reflow pair's, else None (the step draws it)."""
     if "latent" in batch:  # (copies from the loader's pinned memory: the host does not wait for them)
         noise = None if batch.get("noise") is None else to_device(batch["noise"], run.dev).float()
-        latent, text, mask = (to_device(batch[k], run.dev) for k in ("latent", "text", "mask"))
-        return latent.float(), text.float(), mask, noise
-    x0, (text, mask) = to_device(batch["image"], run.dev), run.encoder(batch["caption"])  # (cached)
-    return (x0 if run.vae is None else run.vae.encode(x0)), text, mask, None
+        x0, text, mask = (to_device(batch[k], run.dev) for k in ("latent", "text", "mask"))
+        x0, text = x0.float(), text.float()
+    else:
+        x0, (text, mask), noise = to_device(batch["image"], run.dev), run.encoder(batch["caption"]), None  # (cached)
+        x0 = x0 if run.vae is None else run.vae.encode(x0)
+    if run.text_len and text.shape[1] < run.text_len:  # --compile: one length, one graph (the padding is masked)
+        more = run.text_len - text.shape[1]
+        text, mask = F.pad(text, (0, 0, 0, more)), F.pad(mask, (0, more))
+    return x0, text, mask, noise
 
 
 # ---- The loop -------------------------------------------------------------------------------------------------------
