@@ -1059,6 +1059,19 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero():
     assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and S.opt.param_groups[0]["lr"] == 0  # down to zero
 
 
+def test_adamw_decays_no_weight_a_zero_gradient_leaves_every_weight_where_it_was():
+    """AdamW without weight decay (norms, biases, positions, routers would shrink): a step on zero gradients moves
+    nothing (its moments stay zero); torch's default decay, 0.01, would shrink every weight by lr x 0.01."""
+    args = train.get_args(TINY + ["--image-size", "16", "--moe", "4", "--warmup", "1", "--out", "/nonexistent"])
+    S = train.setup(args)
+    before = {k: p.detach().clone() for k, p in S.model.named_parameters()}
+    for p in S.model.parameters():
+        p.grad = torch.zeros_like(p)
+    grad_norm, bad = S.engine.step(torch.zeros(()))
+    assert grad_norm == 0 and not bad and S.opt.state  # (a step was taken: AdamW holds moments now)
+    assert all(torch.equal(p, before[k]) for k, p in S.model.named_parameters())
+
+
 def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_drawn_rows(monkeypatch):
     args = train.get_args(TINY + ["--image-size", "16", "--ema", "0.5", "--cfg-drop", "0.2", "--out", "/nonexistent"])
     S, micro, keeps = train.setup(args), None, []
@@ -2650,13 +2663,17 @@ def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_
     poison(monkeypatch, lambda n: n == 4)
     real, checked = train.train_step, []
 
-    def spy(S, *a, **k):  # a bad step must leave model, EMA and optimizer moments exactly as they were
+    def spy(S, *a, **k):  # a bad step must leave model, EMA, routing biases and AdamW's moments exactly as they were
         before = copy.deepcopy({k: getattr(S, k).state_dict() for k in ("model", "ema", "opt", "sched")})
         st = real(S, *a, **k)
-        if st["bad_step"]:
-            after = {k: getattr(S, k).state_dict() for k in before}
-            for k in ("model", "ema"):
-                assert all(torch.equal(before[k][n], after[k][n]) for n in before[k]), k
+        after = {k: getattr(S, k).state_dict() for k in before}
+        moved = {k: [n for n in before[k] if not torch.equal(before[k][n], after[k][n])] for k in ("model", "ema")}
+        if not st["bad_step"]:  # (a good step moves the EMA, a distinct copy, and --balance bias's biases)
+            assert S.ema is not S.model and moved["ema"] and any(n.endswith("mlp.bias") for n in moved["model"])
+            biases = [n for n in after["model"] if n.endswith("mlp.bias")]  # the EMA routes as the model does
+            assert all(torch.equal(after["ema"][n], after["model"][n]) for n in biases), biases
+        else:
+            assert moved == {"model": [], "ema": []}, moved
             assert after["sched"]["last_epoch"] == before["sched"]["last_epoch"] + 1  # it takes its step number
             assert all(torch.equal(before["opt"]["state"][i][m], after["opt"]["state"][i][m]) for i in
                        before["opt"]["state"] for m in ("exp_avg", "exp_avg_sq", "step"))
@@ -2664,7 +2681,8 @@ def test_a_nan_step_changes_no_weight_is_logged_as_null_and_the_run_goes_on(tmp_
         return st
     monkeypatch.setattr(train, "train_step", spy)
     out = tmp_path / "run"
-    train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "8", "--out", str(out)])
+    train.main(TINY + ["--data", ",".join(small), "--image-size", "16", "--steps", "8", "--moe", "4", "--balance",
+                       "bias", "--bias-rate", "0.01", "--ema", "0.9", "--out", str(out)])
     assert checked == [4]  # the 4th batch: step 4, nothing changed
     recs = [strict_json(l) for l in open(out / "log.jsonl")]  # every line valid JSON
     bad = [r for r in recs if r.get("bad_step")]
