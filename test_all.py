@@ -495,8 +495,8 @@ def test_time_shift_distribution_and_contrast_reach_the_training_step_and_the_sa
     assert flow.shift_t(t, 1.0) is t and torch.equal(flow.shift_t(t, 3.0)[[0, -1]], torch.tensor([0.0, 1.0]))
     assert torch.allclose(flow.shift_t(torch.tensor(0.5), 3.0), torch.tensor(0.75))  # 3 * .5 / (1 + 2 * .5)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)  # training draws the shifted times
-    assert torch.equal(flow.sample_t(1000, "logit-normal", g1, shift=3.0),
-                       flow.shift_t(flow.sample_t(1000, "logit-normal", g2), 3.0))
+    for dist in ("logit-normal", "uniform"):
+        assert torch.equal(flow.sample_t(1000, dist, g1, shift=3.0), flow.shift_t(flow.sample_t(1000, dist, g2), 3.0))
     seen = []  # the Euler grid is the shifted one, and its steps add up to exactly -1
     x, _ = flow.euler(lambda x, t: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2, 1), 8, shift=3.0)
     assert torch.allclose(torch.tensor(seen), flow.shift_t(torch.linspace(1, 0, 9)[:-1], 3.0))
@@ -525,6 +525,10 @@ def test_time_shift_distribution_and_contrast_reach_the_training_step_and_the_sa
     sample.main(["--ckpt", str(tmp_path / "shift" / "ckpt.pt"), "--prompt", "a red circle", "--n", "1", "--steps",
                  "2", "--out", str(tmp_path / "g.png")])
     assert [t[0].item() for t in times] == [1.0, 0.75]  # the run's shift 3 on the grid (1, 1/2)
+    times.clear()  # reflow's pairs are drawn on that grid too
+    sample.main(["--ckpt", str(tmp_path / "shift" / "ckpt.pt"), "--pairs", "2", "--steps", "2", "--cfg", "1", "--out",
+                 str(tmp_path / "pairs")])
+    assert [t[0].item() for t in times] == [1.0, 0.75], times
     with pytest.raises(SystemExit, match="--t-shift"):  # a resume may not silently change it
         train.main(TINY + ["--image-size", "16", "--steps", "4", "--batch-size", "64", "--out", str(tmp_path / "shift"),
                            "--resume"])
@@ -1076,15 +1080,19 @@ def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_dr
     args = train.get_args(TINY + ["--image-size", "16", "--ema", "0.5", "--cfg-drop", "0.2", "--out", "/nonexistent"])
     S, micro, keeps = train.setup(args), None, []
     micro = synthetic_step_inputs(S)
-    real = flow.drop_captions
+    real, forward, (_, text, mask, _) = flow.drop_captions, DiT.forward, micro[0]
 
-    def spy(text, mask, keep):
-        out_text, out_mask = real(text, mask, keep)
-        assert torch.equal(out_text[keep], text[keep]) and torch.equal(out_mask[keep], mask[keep])  # kept: as is
-        assert not out_text[~keep].any() and not out_mask[~keep].any()  # dropped: the null caption
+    def spy(text, mask, keep):  # (only which rows were drawn to be dropped: what the model receives is checked below)
         keeps.append(keep)
-        return out_text, out_mask
+        return real(text, mask, keep)
+
+    def model_sees(self, x, t, seen_text, seen_mask):
+        keep = keeps[-1]  # kept captions reach the model as they are; dropped ones as the null caption
+        assert torch.equal(seen_text[keep], text[keep]) and torch.equal(seen_mask[keep], mask[keep])
+        assert not seen_text[~keep].any() and not seen_mask[~keep].any()
+        return forward(self, x, t, seen_text, seen_mask)
     monkeypatch.setattr(flow, "drop_captions", spy)
+    monkeypatch.setattr(DiT, "forward", model_sees)
     # the warm-up of TensorFlow's ExponentialMovingAverage(num_updates): min(--ema, (1 + n) / (10 + n)) after step n
     decays = [2 / 11, 3 / 12, 4 / 13, 5 / 14, 6 / 15, 7 / 16, 8 / 17, 0.5, 0.5, 0.5, 0.5, 0.5]
     for decay in decays:
