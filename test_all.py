@@ -1076,6 +1076,25 @@ def test_adamw_decays_no_weight_a_zero_gradient_leaves_every_weight_where_it_was
     assert all(torch.equal(p, before[k]) for k, p in S.model.named_parameters())
 
 
+def test_the_balance_loss_reaches_the_routers_gradients_in_the_training_step(monkeypatch):
+    """train_step's gradient of each router is the flow loss's plus the balance loss's (--balance aux): the same step
+    with alpha = 0 gives the first, and with the flow loss multiplied by 0 the second."""
+    args, real = train.get_args(TINY + ["--image-size", "16", "--moe", "4", "--out", "/nonexistent"]), flow.flow_loss
+
+    def router_grads(alpha, flow_weight):
+        S, got = train.setup(args), {}  # (seeded alike: the same weights, batch, times and noise)
+        for i, m in enumerate(m for m in S.model.modules() if isinstance(m, moe.MoE)):
+            m.alpha = alpha
+            m.router.weight.register_hook(lambda g, i=i: got.__setitem__(i, g.clone()))  # (before clipping)
+        monkeypatch.setattr(flow, "flow_loss", lambda *a: tuple(v * flow_weight for v in real(*a)))
+        train.train_step(S, args, synthetic_step_inputs(S))
+        return [got[i] for i in sorted(got)]
+    both, flow_only, balance_only = router_grads(0.01, 1.0), router_grads(0.0, 1.0), router_grads(0.01, 0.0)
+    assert len(both) == args.depth and all(g.abs().sum() > 0 for g in balance_only)
+    for a, b, c in zip(both, flow_only, balance_only):
+        assert torch.allclose(a - b, c, atol=1e-8), (a - b - c).abs().max()
+
+
 def test_ema_moves_toward_the_weights_by_its_decay_and_caption_drop_nulls_the_drawn_rows(monkeypatch):
     args = train.get_args(TINY + ["--image-size", "16", "--ema", "0.5", "--cfg-drop", "0.2", "--out", "/nonexistent"])
     S, micro, keeps = train.setup(args), None, []
