@@ -1,11 +1,12 @@
 """train.py -- train the MM-DiT with rectified flow. `python train.py` is the whole CPU demo.
 
 In nanoGPT's order: flags -> set-up (the Run: model, EMA, AdamW, schedule, and the engine that makes and applies the
-gradients) -> one training step -> the loop, outlined in main(); after one banner, the sample grids and the final
-evaluation. The same file runs under torchrun (`--dist ddp|deepspeed|fsdp`); what a first read skips lives in two
-files named for it: engine.py (one process, DDP, DeepSpeed ZeRO-2, FSDP2, behind the interface the step calls) and
-runfolder.py (checkpoints, log.jsonl and TensorBoard, stop signals, exits). profile.py and the tests reuse this
-file's parser and step. Resume is exact: a checkpoint holds every state, RNGs and each rank's data.Position included.
+gradients) -> one training step -> the loop, outlined in main(); after one banner, a batch onto the device (through
+the frozen encoders), the sample grids and the final evaluation. The same file runs under torchrun (`--dist ddp`,
+`deepspeed`, `fsdp`); what a first read skips lives in two files named for it: engine.py (one process, DDP, DeepSpeed
+ZeRO-2, FSDP2, behind the interface the step calls) and runfolder.py (checkpoints, log.jsonl and TensorBoard, stop
+signals, exits). profile.py and the tests reuse this file's parser and step. Resume is exact: a checkpoint holds every
+state, RNGs and each rank's data.Position included.
 """
 import argparse
 import copy
@@ -264,22 +265,6 @@ def train_step(run, args, micro_batches, mark=None):
                 bad_step=bad_step)
 
 
-def encode_batch(run, batch):
-    """A loader batch -> (x0, text, mask, noise) on the device, through the frozen VAE and text encoder (or
-    precomputed); noise: a reflow pair's, else None (the step draws it)."""
-    if "latent" in batch:  # (copies from the loader's pinned memory: the host does not wait for them)
-        noise = None if batch.get("noise") is None else to_device(batch["noise"], run.dev).float()
-        x0, text, mask = (to_device(batch[k], run.dev) for k in ("latent", "text", "mask"))
-        x0, text = x0.float(), text.float()
-    else:
-        x0, (text, mask), noise = to_device(batch["image"], run.dev), run.encoder(batch["caption"]), None  # (cached)
-        x0 = x0 if run.vae is None else run.vae.encode(x0)
-    if run.text_len and text.shape[1] < run.text_len:  # --compile: one length, one graph (the padding is masked)
-        more = run.text_len - text.shape[1]
-        text, mask = F.pad(text, (0, 0, 0, more)), F.pad(mask, (0, more))
-    return x0, text, mask, noise
-
-
 # ---- The loop -------------------------------------------------------------------------------------------------------
 def train_loop(args, run, signals):
     """batch -> encode -> step -> log / grid / checkpoint, to --steps or a stop signal (-> True: some rank got one)."""
@@ -338,7 +323,23 @@ def main(argv=None):
             signal.signal(s, signal.SIG_IGN if signals.caught else handler)
 
 
-# ==== What a first read may skip: bad-step counts, sample grids, the final evaluation ===============================
+# ==== What a first read may skip: a batch onto the device, bad-step counts, sample grids, the final evaluation ===
+def encode_batch(run, batch):
+    """A loader batch -> (x0, text, mask, noise) on the device, through the frozen VAE and text encoder (or
+    precomputed); noise: a reflow pair's, else None (the step draws it)."""
+    if "latent" in batch:  # (copies from the loader's pinned memory: the host does not wait for them)
+        noise = None if batch.get("noise") is None else to_device(batch["noise"], run.dev).float()
+        x0, text, mask = (to_device(batch[k], run.dev) for k in ("latent", "text", "mask"))
+        x0, text = x0.float(), text.float()
+    else:
+        x0, (text, mask), noise = to_device(batch["image"], run.dev), run.encoder(batch["caption"]), None  # (cached)
+        x0 = x0 if run.vae is None else run.vae.encode(x0)
+    if run.text_len and text.shape[1] < run.text_len:  # --compile: one length, one graph (the padding is masked)
+        more = run.text_len - text.shape[1]
+        text, mask = F.pad(text, (0, 0, 0, more)), F.pad(mask, (0, more))
+    return x0, text, mask, noise
+
+
 def count_bad_step(run, bad_step):
     """run.bad_steps after a step, on the device: the total, the run in a row ending here, the longest such run."""
     counts, bad = run.bad_steps, bad_step.float()
