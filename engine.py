@@ -1,7 +1,7 @@
 """engine.py -- how a step's gradients are made and applied: one process, DDP, DeepSpeed ZeRO-2 or FSDP2.
 
 train.py chooses one engine at set-up (`--dist`) and its step calls only this interface, never asking which:
-  forward                 the model as the step calls it (compiled with --compile, wrapped by DDP or DeepSpeed)
+  forward                 the model as the step calls it (compiled by --compile but under DeepSpeed; DDP-wrapped)
   micro_batch(last)       a context for one micro-batch (gradients are synchronised in the last one's backward)
   backward(loss)          add this micro-batch's gradients (1 / --grad-accum of the step's loss)
   step(loss)              clip at 1.0, update, clear -> (gradient norm, bad step): a non-finite one changes nothing
@@ -106,7 +106,7 @@ class FSDPEngine(Engine):
         """Before the optimizer is built: each block, then the rest (embeddings, final layer), of each model. bf16:
         the trained model's blocks (nearly all its weights) are gathered in bf16, half the bytes, and compute in it,
         fp32 in and out; their gradients are reduce-scattered in fp32 and AdamW updates the fp32 shards. The rest,
-        and the EMA, which only samples, are gathered as they are kept."""
+        and an --ema copy, which only samples, are gathered as they are kept (--ema 0: the model samples, in bf16)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = torch.distributed.device_mesh.init_device_mesh(dev, (dist.get_world_size(),))
         half = MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32)

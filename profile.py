@@ -111,18 +111,25 @@ def run_steps(run, args, n, get_batch, times=None, collectives=False):
     with `collectives`, FSDP's all-gathers and reduce-scatters: a phase of their own, out of the phase they ran in)."""
     exchanged = [0.0]  # seconds in those collectives since the last mark
     comm = "all_to_all" if args.ep > 1 else "communication" if collectives else None
-    # a timed step on a GPU never waits for the device: a host sync inside it raises (the marks' own syncs aside;
-    # DeepSpeed reads its gradient norm and --ep its split sizes every step, FSDP's timed collectives wait: unchecked)
-    check = times is not None and run.dev == "cuda" and not (run.engine.partitioned or args.ep > 1 or collectives)
-    syncs = lambda mode: torch.cuda.set_sync_debug_mode(mode) if check else None
+    # a timed step on a GPU never waits for the device: a host sync inside it raises (the marks' own syncs aside).
+    # Unchecked: DeepSpeed reads its gradient norm, --ep its split sizes, the loop and sorted dispatches (and grouped's
+    # fp32 fallback) their counts, every step; FSDP's timed collectives wait
+    grouped = not args.moe or (args.moe_impl == "grouped" and args.precision == "bf16")
+    check = times is not None and run.dev == "cuda" and grouped and not (
+        run.engine.partitioned or args.ep > 1 or collectives)
+    in_step = [False]  # (only the step is checked: the frozen encoders between its marks may sync)
+
+    def syncs(on):
+        if check:
+            torch.cuda.set_sync_debug_mode("error" if on else 0)
     for _ in range(n):
         last, step = [time.perf_counter()], {}  # seconds per phase in this step (summed over micro-batches)
 
         def mark(phase):
             if run.dev == "cuda":
-                syncs(0)
+                syncs(False)
                 torch.cuda.synchronize()
-                syncs("error")
+                syncs(in_step[0])
             now = time.perf_counter()
             step[phase] = step.get(phase, 0.0) + now - last[0] - exchanged[0]
             if comm:
@@ -135,11 +142,13 @@ def run_steps(run, args, n, get_batch, times=None, collectives=False):
             micro_batches.append(train.encode_batch(run, batch))  # frozen VAE + text encoder, or precomputed
             mark("encoders")
         with timing_exchanges(exchanged, fsdp=collectives):
-            syncs("error")
+            in_step[0] = True
+            syncs(True)
             try:
                 train.train_step(run, args, micro_batches, mark)
             finally:
-                syncs(0)
+                in_step[0] = False
+                syncs(False)
         for phase, sec in step.items() if times is not None else ():
             times.setdefault(phase, []).append(sec)
 

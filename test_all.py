@@ -2862,6 +2862,10 @@ def test_a_gpu_compiles_and_loads_with_its_cores_by_default_a_cpu_neither(monkey
     gpu = train.get_args(["--out", "out/unused"])
     assert data.default_workers() == 7 == gpu.workers and gpu.compile is True
     assert train.get_args(["--compile", "off", "--out", "out/unused"]).compile is False
+    monkeypatch.setenv("RANK", "0")  # (as under torchrun) DeepSpeed's engine is never compiled: off, and "on" refused
+    assert train.get_args(["--dist", "deepspeed", "--out", "out/unused"]).compile is False
+    with pytest.raises(SystemExit):
+        train.get_args(["--dist", "deepspeed", "--compile", "on", "--out", "out/unused"])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert data.default_workers() == 8 and train.get_args(["--workers", "2", "--out", "out/unused"]).workers == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)

@@ -115,7 +115,9 @@ def get_args(argv=None, parser=None):
         p.error(f"--dist {args.dist} needs a launcher: torchrun --nproc_per_node N train.py --dist {args.dist} ...")
     if args.ep > 1 and (args.dist != "ddp" or (args.moe or 1) % args.ep or int(os.environ["WORLD_SIZE"]) % args.ep):
         p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed or fsdp) and --moe E, E and the ranks multiples of it")
-    args.compile = (args.compile or ("on" if torch.cuda.is_available() else "off")) == "on"
+    if args.compile == "on" and args.dist == "deepspeed":
+        p.error("--compile on: DeepSpeed's engine is not compiled here; drop the flag, or use --dist ddp or fsdp")
+    args.compile = (args.compile or ("on" if torch.cuda.is_available() and args.dist != "deepspeed" else "off")) == "on"
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
         p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
