@@ -1536,6 +1536,24 @@ def test_upcycled_model_starts_equal_to_its_dense_parent():
         moe.upcycle(sparse, older)
 
 
+def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
+    dense = str(tmp_path / "dense")
+    train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", dense])
+    hidden = str(moe.dense_hidden(32))
+    flags = TINY + ["--image-size", "16", "--steps", "1", "--lr", "1e-12", "--warmup", "1", "--batch-size", "8",
+                    "--workers", "1", "--moe", "4", "--expert-hidden", hidden,
+                    "--init", os.path.join(dense, "ckpt.pt"),
+                    "--dist", "deepspeed", "--out", str(tmp_path / "up")]
+    assert "upcycled from" in ranks(flags)
+    parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)
+    child = torch.load(tmp_path / "up" / "ckpt.pt", weights_only=True)
+    d, m = DiT(**parent["config"]), DiT(**child["config"])
+    d.load_state_dict(parent["ema"])
+    m.load_state_dict(child["model"])  # the weights after one (1e-12) step
+    inputs = toy_inputs(D_text=384)
+    assert torch.allclose(m(*inputs), d(*inputs), atol=1e-5)  # (the bug restored the random init: far off)
+
+
 @pytest.mark.parametrize("impl,precision", [("grouped", "bf16"), ("sorted", "fp32")])
 def test_compiled_moe_compiles_once_and_never_recompiles(impl, precision, tmp_path, builtin16, monkeypatch):
     from torch._dynamo.utils import counters
@@ -3053,24 +3071,6 @@ def test_a_signal_to_torchrun_or_to_every_process_ends_in_one_checkpoint_and_no_
     said, stopped = launch_and_signal(tmp_path / "run", flags, getattr(signal, signame), to_all)
     assert stopped == 6 and f"checkpoint written at step {stopped}" in said, said[-3000:]  # (where rank 0 held)
     assert "exiting at once" not in said  # one event, seen by each rank once or twice, is not a second signal
-
-
-def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
-    dense = str(tmp_path / "dense")
-    train.main(TINY + ["--image-size", "16", "--steps", "3", "--out", dense])
-    hidden = str(moe.dense_hidden(32))
-    flags = TINY + ["--image-size", "16", "--steps", "1", "--lr", "1e-12", "--warmup", "1", "--batch-size", "8",
-                    "--workers", "1", "--moe", "4", "--expert-hidden", hidden,
-                    "--init", os.path.join(dense, "ckpt.pt"),
-                    "--dist", "deepspeed", "--out", str(tmp_path / "up")]
-    assert "upcycled from" in ranks(flags)
-    parent = torch.load(os.path.join(dense, "ckpt.pt"), weights_only=True)
-    child = torch.load(tmp_path / "up" / "ckpt.pt", weights_only=True)
-    d, m = DiT(**parent["config"]), DiT(**child["config"])
-    d.load_state_dict(parent["ema"])
-    m.load_state_dict(child["model"])  # the weights after one (1e-12) step
-    inputs = toy_inputs(D_text=384)
-    assert torch.allclose(m(*inputs), d(*inputs), atol=1e-5)  # (the bug restored the random init: far off)
 
 
 # -----------------------------------------------------------------------------------------------
