@@ -19,6 +19,7 @@ RSS before the first step (the step's own working memory).
 # torch._dynamo and torch.compile). So when it is imported under that name it hands the standard module over:
 # sys.modules then holds the real one, which is what `import profile` returns, and nothing heavy is imported.
 import contextlib
+import functools
 import os
 import sys
 
@@ -407,6 +408,7 @@ def claims(gpu):
          base + ["--moe", "8", "--compare", "ep=1,2"])] * (not gpu or torch.cuda.device_count() > 1)  # (a GPU a rank)
 
 
+@functools.cache  # (one git call a run, not a row)
 def provenance():
     """-> (commit, machine) as a CLAIMS.md row names them: the short hash (-dirty: with uncommitted changes), and the
     GPU's or CPU's model with the cores and the torch version."""
@@ -455,8 +457,7 @@ def suite(args):
         except SystemExit as e:  # one failing setting (a kernel this GPU lacks) must not lose the rest
             measured = f"failed: {str(e)[-300:]}".replace("\n", " ").replace("|", "/")
         md.append(claims_row(title, measured, "python profile.py " + " ".join(cmd)))
-        print(md[-1] + "\n", flush=True)
-    print("\n".join(md), flush=True)
+    print("\n".join(md), flush=True)  # (each claim's ratio table was printed as it ran)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     atomic_write(os.path.join(args.out, "profile", "suite.md"), lambda f: f.write(("\n".join(md) + "\n").encode()))
     return md
