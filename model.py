@@ -7,7 +7,8 @@
   * per stream (text c, image x, each its own weights): adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE joint
     attention over [c; x] (text padding masked) -> s <- s + Linear(o), then s <- s + SwiGLU(adaLN(s)): SD3's two
     residuals, their gates left out (the Linear and the SwiGLU's last layer start at zero instead);
-  * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA: same numbers;
+  * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA (on a GPU:
+    cuDNN's fused kernel, which keeps the mask): same numbers;
   * the zero-initialised output layer: the untrained network predicts exactly zero velocity;
   * DiT's sizes S/B/L/XL (`--model S/2`: width, depth, heads, patch 2).
 The last layer's text stream only gives Q, K, V (`qkv_only`; SD3's "pre-only"): its own output would never be used,
@@ -26,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe import MoE, SwiGLU, count_params
 
@@ -56,14 +58,20 @@ def sincos_2d(n_side, dim, first=0):
     return torch.cat(parts, dim=1)
 
 
-# ---- Attention: manual and SDPA side by side ------------------------------------------------------------------------
+# ---- Attention: written out, and SDPA (with cuDNN's fused kernel first: it keeps the padding mask) ------------
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention(q, k, v, keep, impl="sdpa"):
-    """q, k, v (B, H, N, d); keep (B, N) bool = which keys may be attended -> (B, H, N, d)."""
-    if impl == "sdpa":
+    """q, k, v (B, H, S, d); keep (B, S) bool = which keys may be attended -> (B, H, S, d): softmax(q k^T / sqrt d +
+    mask) v, the mask 0 or -inf. sdpa: PyTorch picks the kernel (on a GPU flash takes no mask, so a masked call gets
+    the memory-efficient one); cudnn: the same call with cuDNN's fused kernel first, which takes the mask as a bias
+    (on a CPU it is sdpa)."""
+    if impl == "manual":
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, S, S): the memory hog
+        return scores.masked_fill(~keep[:, None, None, :], float("-inf")).softmax(dim=-1) @ v
+    with sdpa_kernel(CUDNN_FIRST, set_priority=True) if impl == "cudnn" else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, N, N): the memory hog
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    return scores.softmax(dim=-1) @ v
 
 
 # ---- One stream's weights, and the dual-stream block ----------------------------------------------------------------
@@ -93,7 +101,9 @@ class Stream(nn.Module):
         """s (B, N, D) -> q, k, v each (B, H, N, D/H), with RMS-normalised q and k."""
         B, N, D = s.shape
         q, k, v = self.qkv(modulate(self.norm1(s), shift, scale)).view(B, N, 3, self.heads, -1).unbind(2)
-        return self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        # (under bf16 autocast q and k are bf16: the fp32 weight is cast to them, else rms_norm runs unfused)
+        rms = lambda x, norm: F.rms_norm(x, x.shape[-1:], norm.weight.to(x.dtype), norm.eps)
+        return rms(q, self.q_norm).transpose(1, 2), rms(k, self.k_norm).transpose(1, 2), v.transpose(1, 2)
 
     def residuals(self, s, o, shift, scale):
         """The stream s (B, N, D) and its attention output o (B, N, D) -> s + Linear(o) -> + SwiGLU(adaLN(s))."""

@@ -13,7 +13,9 @@ Every other flag is train.py's (the very same parser and `train_step`), so a com
 one flag flipped". Each measurement runs in a fresh process, so memory is clean; settings alternate and repeat, so
 a noisy neighbour hurts both alike. Results go to <out>/profile/*.json, Chrome traces to *.trace.json (open them in
 Perfetto). "Peak memory" is the allocator's peak on CUDA; on a CPU, the growth of the process's peak RSS over its
-RSS before the first step (the step's own working memory).
+RSS before the first step (the step's own working memory). MFU = the step's FLOPs (torch's FlopCounterMode on one
+training step of the DiT: matmuls and attention, forward and backward; the frozen encoders not counted) / its time /
+the GPU's dense bf16 peak (PEAK_TFLOPS, the datasheets'). Attention's masked text keys count as computed.
 """
 # Run from the repo root, this file shadows the standard library's `profile`, which `cProfile` imports (and so do
 # torch._dynamo and torch.compile). So when it is imported under that name it hands the standard module over:
@@ -57,6 +59,7 @@ COLUMNS = {"step_ms": ("step ms", ".1f"), "img_per_s": ("img/s", ".0f"), "peak_m
            "communication_share": ("communication", ".1%"), "param_mb": ("params MB/rank", ".2f"),
            "opt_state_mb": ("optimizer state MB/rank", ".2f"),
            "achieved_tflops": ("TFLOP/s", ".3g"), "mfu": ("MFU", ".1%"), "loader_img_per_s": ("loader img/s", ".0f")}
+ATTENTION_WORDS = ("attention", "fmha", "flash", "cudnn")  # what the kernels' names hold (aten's, cuDNN's)
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}  # dense bf16, datasheets
 
 
@@ -240,9 +243,12 @@ def measure(args):
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (run.dev == "cuda")) as prof:
             run_steps(run, args, 2, get_batch)
         res["trace"] = os.path.join(args.out, "profile", f"{args.mode}.trace.json")
+        kernels = prof.key_averages()  # which attention kernel ran (a mask keeps SDPA off flash: model.attention)
+        res["attention_kernels"] = sorted({e.key for e in kernels if any(w in e.key.lower() for w in ATTENTION_WORDS)})
         if run.rank == 0:
             prof.export_chrome_trace(res["trace"])
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            print(kernels.table(sort_by="self_cpu_time_total", row_limit=12))
+            print("attention kernels in the trace: " + ", ".join(res["attention_kernels"]))
     if run.rank == 0:  # rank 0 reports
         write_json(args.json or os.path.join(args.out, "profile", f"{args.mode}.json"), res)
         print_result(res, times)
@@ -392,8 +398,9 @@ def claims(gpu):
         full_title = "The full-size model's inputs (4-channel latents, CLIP-L-sized text) at CPU size: width 96"
         precision, loader = "fp32", 1
     over = lambda extra: strip(base, {a for a in extra if a.startswith("--")}) + extra  # base, these flags replaced
-    return [("attn", f"Attention: manual vs SDPA at {n} image tokens",
-             over(f"{size} --compare attn=manual,sdpa".split())) for n, size in attn] + [
+    attn_values = "manual,sdpa,cudnn" if gpu else "manual,sdpa"  # (on a CPU cudnn is sdpa)
+    return [("attn", f"Attention: {attn_values.replace(',', ' vs ')} at {n} image tokens",
+             over(f"{size} --compare attn={attn_values}".split())) for n, size in attn] + [
         ("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
          base + ["--moe", "8", "--compare", "moe-impl=loop,sorted,grouped"]),
         ("moe", "Dense vs 8 experts at equal active parameters per token", base + ["--compare", "moe=0,8"]),

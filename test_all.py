@@ -367,23 +367,27 @@ def blind_loss(shards, size=16):
 # -----------------------------------------------------------------------------------------------
 # model.py
 # -----------------------------------------------------------------------------------------------
-def test_manual_and_sdpa_attention_agree_in_outputs_and_gradients():
+ATTENTION = ["manual", "sdpa", "cudnn"]  # (on a CPU cudnn runs sdpa's kernels: profile.py checks the GPU)
+
+
+def test_every_attention_agrees_with_the_written_out_one_in_outputs_and_gradients():
     m = randomize(tiny_model())
     inputs = toy_inputs()
     outs, grads = {}, {}
-    for impl in ("manual", "sdpa"):
+    for impl in ATTENTION:
         for b in m.blocks:
             b.attn = impl
         m.zero_grad()
         out = m(*inputs)
         (out ** 2).sum().backward()
         outs[impl], grads[impl] = out.detach(), [p.grad.clone() for p in m.parameters()]
-    assert torch.allclose(outs["manual"], outs["sdpa"], atol=1e-5, rtol=1e-4)
-    for gm, gs in zip(grads["manual"], grads["sdpa"]):
-        assert torch.allclose(gm, gs, atol=1e-4, rtol=1e-3)
+    for impl in ATTENTION[1:]:
+        assert torch.allclose(outs["manual"], outs[impl], atol=1e-5, rtol=1e-4), impl
+        for gm, gs in zip(grads["manual"], grads[impl]):
+            assert torch.allclose(gm, gs, atol=1e-4, rtol=1e-3), impl
 
 
-@pytest.mark.parametrize("impl", ["manual", "sdpa"])
+@pytest.mark.parametrize("impl", ATTENTION)
 def test_padding_tokens_are_ignored(impl):
     m = randomize(tiny_model(attn=impl))
     x, t, text, mask = toy_inputs()

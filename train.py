@@ -50,7 +50,8 @@ def get_parser():
     a("--depth", type=int, help="number of dual-stream layers (default 4)")
     a("--heads", type=int, help="attention heads, width a multiple of it (default 4)")
     a("--patch", type=int, help="patch size p: image tokens N = (image_size / p)^2 (default 4)")
-    a("--attn", default="sdpa", choices=["manual", "sdpa"], help="softmax(QK^T/sqrt d)V written out, or SDPA")
+    a("--attn", choices=["manual", "sdpa", "cudnn"], help="softmax(QK^T/sqrt d)V written out, SDPA, or SDPA with "
+      "cuDNN's fused kernel first (default on a GPU; model.attention)")
     a("--moe", type=int, default=0, help="experts per image-stream MLP (DiT-MoE); 0 = dense")
     a("--topk", type=int, default=2, help="experts each image token is routed to")
     a("--shared-experts", type=int, default=2, help="always-on shared experts per MoE layer (DiT-MoE uses 2)")
@@ -117,6 +118,7 @@ def get_args(argv=None, parser=None):
         p.error(f"--ep {args.ep} needs --dist ddp (not deepspeed or fsdp) and --moe E, E and the ranks multiples of it")
     if args.compile == "on" and args.dist == "deepspeed":
         p.error("--compile on: DeepSpeed's engine is not compiled here; drop the flag, or use --dist ddp or fsdp")
+    args.attn = args.attn or ("cudnn" if torch.cuda.is_available() else "sdpa")  # (the same numbers, kernels apart)
     args.compile = (args.compile or ("on" if torch.cuda.is_available() and args.dist != "deepspeed" else "off")) == "on"
     args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
     if set(args.override) - set(TRAJECTORY):
