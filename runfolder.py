@@ -293,7 +293,8 @@ class StopSignals:
     `same_event` s is the same event (Slurm signals every process; torchrun forwards). Under a launcher a thread
     watches it too: a rank whose launcher died (torchrun dies of an unhandled USR1) stops, no orphan trains on."""
 
-    def __init__(self, watch_launcher=False, same_event=2.0):
+    def __init__(self, watch_launcher=False, same_event=10.0):  # (torchrun forwards within milliseconds; 10 s
+        # keeps a loaded machine's late copy one event, and a person's deliberate second signal rarely comes sooner)
         self.caught, self.defer, self.pid, self.first, self.same_event = [], False, os.getpid(), None, same_event
         self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGUSR1, signal.SIGTERM)}
         if watch_launcher:
