@@ -63,7 +63,8 @@ def resume_or_record(run, args):
     run.log = RunLog(args.out, run.step if args.resume else None) if master else None
     if args.resume and master:
         print(f"resumed from {args.out}/{name} at step {run.step}" +
-              "".join(f"; --{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()))
+              "".join(f"; {'ranks' if k == 'world' else '--' + k.replace('_', '-')} {a} -> {b}"
+                      for k, (a, b) in changed.items()))
         run.log.write(dict(resume=dict(step=run.step, checkpoint=name, changed=changed)))
     elif master:  # args.json keeps the flags the run started with; log.jsonl records each resume
         write_json(os.path.join(args.out, "args.json"), vars(args))
@@ -162,8 +163,10 @@ def load_checkpoint(run, args):
     DiT.check_layout(ckpt, f"{args.out}/{name}")
     if args.workers is None:  # not given: the checkpoint's, so that its data stream goes on (another machine's default
         args.workers = ckpt["args"]["workers"]  # would change it)
+    world_from = len(ckpt["data"])  # (one data.Position a rank)
+    resized = new_world(run, args, ckpt, name) if world_from != run.world else None
     changed = {k: (v, getattr(args, k)) for k in TRAJECTORY if (v := ckpt["args"].get(k)) != getattr(args, k)}
-    refused = {k: v for k, v in changed.items() if k not in args.override}
+    refused = {k: v for k, v in changed.items() if k not in args.override + ["grad_accum"] * bool(resized)}
     if refused:
         raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" + "".join(
             f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
@@ -173,8 +176,8 @@ def load_checkpoint(run, args):
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the flags' {run.config}; "
                          f"pass the original run's flags (saved in {args.out}/args.json)")
     tag, saved = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
-    if len(ckpt["data"]) != run.world or (tag is not None) != run.engine.partitioned:  # (ZeRO's partitions need both)
-        raise SystemExit(f"--resume: {args.out}/{name} was written by {len(ckpt['data'])} ranks with --dist {saved}: "
+    if (tag is not None) != run.engine.partitioned:  # (ZeRO's partitions: one file a rank)
+        raise SystemExit(f"--resume: {args.out}/{name} was written by {world_from} ranks with --dist {saved}: "
                          f"resume with --dist {saved} on as many ranks (its optimizer state needs both)")
     for k in ("model", "ema") if args.ema else ("model",):  # (--ema 0: the EMA is the model)
         getattr(run, k).load_weights(run.engine.own_state(ckpt[k]), f"{args.out}/{name}")
@@ -186,16 +189,50 @@ def load_checkpoint(run, args):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     run.gen.set_state(ckpt["rng"]["gen"])
-    run.position, run.step, run.ckpt_step = data.Position(**ckpt["data"][run.rank]), ckpt["step"], ckpt["step"]
+    run.step, run.ckpt_step = ckpt["step"], ckpt["step"]
+    if resized:  # another split of the data over the ranks: the epoch it was in starts again under it (the batches'
+        was = data.Position(**ckpt["data"][0])  # count goes on: the buckets' sequence continues)
+        run.position = data.Position(epoch=was.epoch, batches_before=was.batches_before + was.batch_in_epoch,
+                                     skipped_before=was.skipped_before, skipped=was.skipped_before)
+    else:
+        run.position = data.Position(**ckpt["data"][run.rank])
     run.deepspeed_tag, run.bad_steps = tag, {k: v.to(run.dev) for k, v in ckpt["bad_steps"].items()}
     if changed.keys() & {"lr", "steps", "warmup"}:  # --override: the new schedule from this step on (the lr jumps)
         run.sched.base_lrs = [args.lr] * len(run.sched.base_lrs)
         for g in run.opt.param_groups:
             g["lr"] = args.lr * run.sched.lr_lambdas[0](run.sched.last_epoch)
-    if changed.keys() & set(DATA_FLAGS):  # the saved position means nothing in another stream: the next epoch
+    if changed.keys() & set(DATA_FLAGS) and not resized:  # the saved position means nothing in another stream
         skipped = run.position.skipped
         run.position = data.Position(epoch=run.position.epoch + 1, skipped_before=skipped, skipped=skipped)
-    return name, changed
+    return name, changed | ({"world": (world_from, run.world)} if resized else {})
+
+
+def new_world(run, args, ckpt, name):
+    """--override world: a whole checkpoint (one process, DDP, FSDP) resumed on another number of ranks: every tensor
+    loads as on the same number (whole_state / own_state). The global batch is kept through --grad-accum where it
+    divides, else its change is said -> what was done. ZeRO-2's per-rank partitions and --ep's are refused."""
+    saved, world_from = ckpt["args"], len(ckpt["data"])
+    where = f"--resume: {args.out}/{name} was written by {world_from} ranks"
+    if ckpt["deepspeed_tag"] is not None or run.engine.partitioned:
+        raise SystemExit(f"{where} with --dist deepspeed, whose optimizer state is a partition a rank: resume it on "
+                         f"{world_from} ranks; a run that may change its size trains with --dist fsdp (or ddp)")
+    if max(saved["ep"], args.ep) > 1:
+        raise SystemExit(f"{where} (--ep {saved['ep']}), this run has {run.world} with --ep {args.ep}: expert "
+                         f"parallelism resumes on {world_from} ranks; a run that may change its size uses --dist fsdp")
+    if "world" not in args.override:
+        raise SystemExit(f"{where}, this run has {run.world}: resume on {world_from} ranks, or continue on "
+                         f"{run.world} with --override world (every state loads whole; the epoch starts again)")
+    global_batch = saved["batch_size"] * saved["grad_accum"] * world_from
+    accum, left = divmod(global_batch, args.batch_size * run.world)
+    if accum and not left:
+        args.grad_accum = run.engine.grad_accum = accum
+        said = f"--grad-accum {accum} keeps the global batch at {global_batch}"
+    else:
+        said = (f"the global batch changes from {global_batch} to {args.batch_size * args.grad_accum * run.world}: "
+                f"no --grad-accum keeps it at --batch-size {args.batch_size} on {run.world} ranks")
+    if run.rank == 0:
+        print(f"--override world: {world_from} -> {run.world} ranks; {said}; the epoch it was in starts again")
+    return said
 
 
 def init_weights(model, config, path, dev, rank):

@@ -82,7 +82,8 @@ def get_parser():
     a("--out", default="out/run", help="run folder: ckpt.pt, args.json, log.jsonl, TensorBoard events, samples/")
     a("--resume", action="store_true", help="continue exactly from <out>/ckpt.pt (unreadable: ckpt.prev.pt)")
     a("--auto-resume", action="store_true", help="resume if <out> holds a checkpoint, else start (requeued jobs)")
-    a("--override", default="", help="--resume: accept these changed flags, comma-separated (e.g. steps,lr)")
+    a("--override", action="append", default=[], help="--resume: accept these changed flags, comma-separated (e.g. "
+      "steps,lr; may be repeated); 'world': another number of ranks (--grad-accum then keeps the global batch)")
     a("--max-bad-steps", type=int, default=10, help="stop after this many non-finite (skipped) steps in a row")
     a("--log-every", type=int, default=10, help="steps between log lines: the only steps that read the device")
     a("--sample-every", type=int, default=500, help="steps between the EMA's sample grids (0 = only at the end)")
@@ -120,9 +121,10 @@ def get_args(argv=None, parser=None):
         p.error("--compile on: DeepSpeed's engine is not compiled here; drop the flag, or use --dist ddp or fsdp")
     args.attn = args.attn or ("cudnn" if torch.cuda.is_available() else "sdpa")  # (the same numbers, kernels apart)
     args.compile = (args.compile or ("on" if torch.cuda.is_available() and args.dist != "deepspeed" else "off")) == "on"
-    args.override = [f.strip().lstrip("-").replace("-", "_") for f in args.override.split(",") if f.strip()]
-    if set(args.override) - set(TRAJECTORY):
-        p.error(f"--override: {args.override!r}; choose from {','.join(k.replace('_', '-') for k in TRAJECTORY)}")
+    args.override = [f.strip().lstrip("-").replace("-", "_") for o in args.override for f in o.split(",") if f.strip()]
+    if set(args.override) - set(TRAJECTORY) - {"world"}:
+        p.error(f"--override: {args.override!r}; choose from world,"
+                f"{','.join(k.replace('_', '-') for k in TRAJECTORY)}")
     found = holds_checkpoint(args.out)
     args.resume = args.resume or (args.auto_resume and found)
     if args.workers is None and not args.resume:  # (a resume takes its checkpoint's: runfolder.load_checkpoint)
