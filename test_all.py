@@ -3166,13 +3166,17 @@ def test_slurm_jobs_train_two_ranks_a_failing_one_fails_and_preempted_ones_reque
     """Three jobs side by side: "usr1" (2 ranks) pre-empted as `--signal=B:USR1` does it, USR1 to the batch shell
     only (here `scancel --batch`), which must travel batch script -> srun -> torchrun -> every rank; "requeue" (1 rank)
     by `scontrol requeue` (SIGTERM to every process of the job); "bad" fails. slurm/local_cluster.sh holds a requeued
-    job 10 s."""
+    job 10 s. And "resized": a 2-rank checkpoint that a 1-rank job goes on from."""
     need_slurm()
     jobs = {}
     for how, nproc in (("usr1", 2), ("requeue", 1)):
         (tmp_path / how).mkdir()
         jobs[how] = sbatch(tmp_path / how, STOPPED + ["--out", str(tmp_path / how / "run")], nproc=nproc, held=True)
     jobs["bad"] = sbatch(tmp_path, ["--attn", "flash"])
+    (tmp_path / "resized" / "run").mkdir(parents=True)  # a requeued 2-rank job back on 1 GPU: run.slurm's --override
+    torch.save(uninterrupted_two_ranks, tmp_path / "resized" / "run" / "ckpt.pt")  # world lets it resume
+    jobs["resized"] = sbatch(tmp_path / "resized", STOPPED + ["--steps", "102", "--override", "steps", "--out",
+                                                              str(tmp_path / "resized" / "run")])
     for how in ("usr1", "requeue"):
         wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
         subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[how]] if how == "usr1" else
@@ -3180,6 +3184,8 @@ def test_slurm_jobs_train_two_ranks_a_failing_one_fails_and_preempted_ones_reque
     train.main(STOPPED + ["--out", str(tmp_path / "one")])  # meanwhile: the one-rank run, uninterrupted
     states = wait_for_jobs(list(jobs.values()))
     assert "JobState=FAILED" in states[jobs["bad"]], states[jobs["bad"]]  # run.slurm's exit status is the job's
+    resized = torch.load(tmp_path / "resized" / "run" / "ckpt.pt", weights_only=True)
+    assert resized["step"] == 102 and len(resized["data"]) == 1 and "JobState=COMPLETED" in states[jobs["resized"]]
     one = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=True)
     for how, ref in (("usr1", uninterrupted_two_ranks), ("requeue", one)):
         state = states[jobs[how]]
