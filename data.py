@@ -425,8 +425,6 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
 
 
 # ==== What a first read may skip: files written whole, JSON; the offline tools (converter, emoji, precompute) ======
-# atomic_write: a crash or power loss leaves the old file or the new one, never a torn one (checkpoints, grids);
-# log.jsonl's lines are strict JSON (append_json: NaN and inf become null).
 def atomic_write(path, write, keep=None):
     """write(f) into path.tmp, fsync it, then rename it over `path` (first moving the old file to `keep`, if
     given): a crash or power loss leaves the old file or the new one, never a torn or empty one."""

@@ -57,8 +57,7 @@ def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     contrast = lambda > 0 also pushes each prediction away from another sample's target, the previous one in the batch
     (contrastive flow matching):
     || v - a ||^2 - lambda || v - b ||^2 = (1 - lambda) || v - (a - lambda b) / (1 - lambda) ||^2 + const, so the model
-    regresses onto its own target moved away from another caption's. The per-sample loss (logged) is the plain one.
-    (train.py draws t and eps for the whole global batch and hands each micro-batch of each rank its slice.)"""
+    regresses onto its own target moved away from another caption's. The per-sample loss (logged) is the plain one."""
     v = model(interpolate(x0, eps, t), t, text, mask).float()
     target = eps - x0  # (B, C, H, W)
     dims = tuple(range(1, x0.dim()))

@@ -7,8 +7,8 @@
   * per stream (text c, image x, each its own weights): adaLN(s) -> Q,K,V -> RMSNorm(Q), RMSNorm(K) -> ONE joint
     attention over [c; x] (text padding masked) -> s <- s + Linear(o), then s <- s + SwiGLU(adaLN(s)): SD3's two
     residuals, their gates left out (the Linear and the SwiGLU's last layer start at zero instead);
-  * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA (on a GPU:
-    cuDNN's fused kernel, which keeps the mask): same numbers;
+  * attention written out (`--attn manual`, materialises the (L+N)^2 scores) next to SDPA and (`--attn
+    cudnn`, a GPU's default) SDPA with cuDNN's fused kernel first, which keeps the mask: same numbers;
   * the zero-initialised output layer: the untrained network predicts exactly zero velocity;
   * DiT's sizes S/B/L/XL (`--model S/2`: width, depth, heads, patch 2).
 The last layer's text stream only gives Q, K, V (`qkv_only`; SD3's "pre-only"): its own output would never be used,

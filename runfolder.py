@@ -164,9 +164,10 @@ def load_checkpoint(run, args):
     if args.workers is None:  # not given: the checkpoint's, so that its data stream goes on (another machine's default
         args.workers = ckpt["args"]["workers"]  # would change it)
     world_from = len(ckpt["data"])  # (one data.Position a rank)
-    resized = new_world(run, args, ckpt, name) if world_from != run.world else None
+    resized = world_from != run.world
+    kept = new_world(run, args, ckpt, name) if resized or "world" in args.override else False
     changed = {k: (v, getattr(args, k)) for k in TRAJECTORY if (v := ckpt["args"].get(k)) != getattr(args, k)}
-    refused = {k: v for k, v in changed.items() if k not in args.override + ["grad_accum"] * bool(resized)}
+    refused = {k: v for k, v in changed.items() if k not in args.override + ["grad_accum"] * kept}
     if refused:
         raise SystemExit("--resume: these flags differ from the checkpoint's, which would change the run:\n" + "".join(
             f"  --{k.replace('_', '-')}: {a!r} in the checkpoint, {b!r} now\n" for k, (a, b) in refused.items()) +
@@ -208,15 +209,16 @@ def load_checkpoint(run, args):
 
 
 def new_world(run, args, ckpt, name):
-    """--override world: a whole checkpoint (one process, DDP, FSDP) resumed on another number of ranks: every tensor
-    loads as on the same number (whole_state / own_state). The global batch is kept through --grad-accum where it
-    divides, else its change is said -> what was done. ZeRO-2's per-rank partitions and --ep's are refused."""
+    """--override world: a whole checkpoint (one process, DDP, FSDP) goes on on another number of ranks: every tensor
+    loads as on the same number (whole_state / own_state), and --grad-accum keeps its global batch where that divides
+    (else the change is said), on this resume and each later one (a requeued job comes back with its first flags).
+    ZeRO-2's per-rank partitions and --ep's are refused. -> whether --grad-accum was set here."""
     saved, world_from = ckpt["args"], len(ckpt["data"])
     where = f"--resume: {args.out}/{name} was written by {world_from} ranks"
-    if ckpt["deepspeed_tag"] is not None or run.engine.partitioned:
+    if world_from != run.world and (ckpt["deepspeed_tag"] is not None or run.engine.partitioned):
         raise SystemExit(f"{where} with --dist deepspeed, whose optimizer state is a partition a rank: resume it on "
                          f"{world_from} ranks; a run that may change its size trains with --dist fsdp (or ddp)")
-    if max(saved["ep"], args.ep) > 1:
+    if world_from != run.world and max(saved["ep"], args.ep) > 1:
         raise SystemExit(f"{where} (--ep {saved['ep']}), this run has {run.world} with --ep {args.ep}: expert "
                          f"parallelism resumes on {world_from} ranks; a run that may change its size uses --dist fsdp")
     if "world" not in args.override:
@@ -224,15 +226,16 @@ def new_world(run, args, ckpt, name):
                          f"{run.world} with --override world (every state loads whole; the epoch starts again)")
     global_batch = saved["batch_size"] * saved["grad_accum"] * world_from
     accum, left = divmod(global_batch, args.batch_size * run.world)
-    if accum and not left:
+    kept = bool(accum and not left) and not run.engine.partitioned  # (DeepSpeed's is fixed when it starts)
+    if kept:
         args.grad_accum = run.engine.grad_accum = accum
-        said = f"--grad-accum {accum} keeps the global batch at {global_batch}"
-    else:
-        said = (f"the global batch changes from {global_batch} to {args.batch_size * args.grad_accum * run.world}: "
-                f"no --grad-accum keeps it at --batch-size {args.batch_size} on {run.world} ranks")
-    if run.rank == 0:
-        print(f"--override world: {world_from} -> {run.world} ranks; {said}; the epoch it was in starts again")
-    return said
+    said = (f"--grad-accum {accum} keeps the global batch at {global_batch}" if kept else
+            f"the global batch changes from {global_batch} to {args.batch_size * args.grad_accum * run.world}: "
+            f"no --grad-accum keeps it at --batch-size {args.batch_size} on {run.world} ranks")
+    if run.rank == 0 and (world_from != run.world or args.grad_accum != saved["grad_accum"]):
+        print(f"--override world: {world_from} -> {run.world} ranks; {said}" +
+              "; the epoch it was in starts again" * (world_from != run.world))
+    return kept
 
 
 def init_weights(model, config, path, dev, rank):

@@ -2085,6 +2085,9 @@ def test_resume_on_another_world_size_loads_every_tensor_bit_for_bit_and_trains_
     assert "--override world: 2 -> 1 ranks; --grad-accum 4 keeps the global batch at 16" in said
     assert "loaded bit for bit" in said and "ranks 2 -> 1" in said and run.step == 6
     assert run.position.epoch == 0 and run.position.batches_before == 6  # (each rank had taken 6 of the epoch)
+    again = train.main(to_one + ["--steps", "7", "--override", "steps", "--override", "world"])  # requeued with its
+    # first flags (--grad-accum 2) on as many ranks: --grad-accum stays 4
+    assert again.step == 7 and torch.load(tmp / "to_one" / "ckpt.pt", weights_only=True)["args"]["grad_accum"] == 4
     # 1 -> 2 under FSDP, 4 a micro-batch: 2 micro-batches keep 16 and each rank's batch count, so the buckets' order
     # and the noise are the one process's: it ends where that run ended
     said = ranks(flags + ["--batch-size", "4", "--workers", "0", "--dist", "fsdp", "--out", str(tmp / "to_two"),

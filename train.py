@@ -353,7 +353,6 @@ def count_bad_step(run, bad_step):
     counts["longest"] = torch.maximum(counts["longest"], counts["in_a_row"])
 
 
-
 def sample_grid(run, args, ema, final=False):
     """Rank 0: the whole EMA draws each held-out prompt (or name) once (fixed noise), or at the end --eval-n times.
     FSDP: every rank runs the same forwards (each gathers the blocks from all) and rank 0 alone writes and scores."""
@@ -390,7 +389,6 @@ def final_evaluation(args, run, signals):
     if args.eval_n and not scored and run.rank == 0:
         print(f"no judge for {args.data}: score {args.out}/{CKPT} with sample.py --eval --real <raw shards>")
     return 0
-
 
 
 if __name__ == "__main__":
