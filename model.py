@@ -58,7 +58,7 @@ def sincos_2d(n_side, dim, first=0):
     return torch.cat(parts, dim=1)
 
 
-# ---- Attention: written out, and SDPA (with cuDNN's fused kernel first: it keeps the padding mask) ------------
+# ---- Attention: written out, and SDPA (with cuDNN's fused kernel first: it keeps the padding mask) -------------------
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
