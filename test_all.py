@@ -25,6 +25,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -159,11 +160,24 @@ def crash_then_resume(monkeypatch, argv, crash_at):
 
 @contextlib.contextmanager
 def rendezvous():
-    """A TCPStore this process serves on a port the OS picks, bound until the block ends: ranks meet there as torchrun's
-    do at their agent's (TORCHELASTIC_USE_AGENT_STORE), so no other test can take the port between its choice and its
-    use -> the environment a rank needs."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    """A port the OS picks, bound and listening here until the block ends: ranks meet there as torchrun's do at their
+    agent's store (TORCHELASTIC_USE_AGENT_STORE), and no other test can take it between its choice and its use. The
+    TCPStore (its thread) starts at serve(), called once the ranks are forked, so that no fork copies a running thread;
+    a rank that connects sooner waits in the port's backlog -> (the environment a rank needs, serve)."""
+    listening, stores = socket.socket(), []
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(64)
+    port = listening.getsockname()[1]
+
+    def serve():
+        stores.append(torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                                 master_listen_fd=listening.fileno()))
+        listening.detach()  # (the store owns the socket now, and closes it when it goes)
+    try:
+        yield dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True"), serve
+    finally:
+        stores.clear()
+        listening.close()  # (unless serve() handed it over)
 
 
 def forked_ranks(flags, n=2, timeout=300):
@@ -172,7 +186,7 @@ def forked_ranks(flags, n=2, timeout=300):
     and train.py again (seconds of CPU apiece). The launcher's own part runs under the real torchrun in the signal and
     Slurm tests. -> ([exit status of each rank], every rank's output)."""
     logs, pids, codes = [], [], {}
-    with rendezvous() as meeting:  # (the ranks' rendezvous)
+    with rendezvous() as (meeting, serve):
         sys.stdout.flush()  # (or the ranks would print what this process has buffered, too)
         sys.stderr.flush()
         for rank in range(n):
@@ -198,6 +212,7 @@ def forked_ranks(flags, n=2, timeout=300):
                     sys.stdout.flush()
                     os._exit(code)
             pids.append(pid)
+        serve()
         deadline = time.time() + timeout
         while len(codes) < n and time.time() < deadline:
             for pid in set(pids) - set(codes):
@@ -219,9 +234,10 @@ def worker_ranks(worker, n, timeout=120):
     """worker(rank) on n processes, each in a process group with the others (gloo; rendezvous()); a worker's
     exception fails the test, and so does a hang (at `timeout`)."""
     how = "fork" if sys.platform == "linux" else "spawn"  # (spawned, each would import torch and this file again)
-    with rendezvous() as meeting:
+    with rendezvous() as (meeting, serve):
         ranks = torch.multiprocessing.start_processes(in_process_group, args=(worker, n, meeting), nprocs=n,
                                                       start_method=how, join=False)
+        serve()
         deadline = time.time() + timeout
         while not ranks.join(timeout=0.5):  # (raises what a worker raised)
             if time.time() > deadline:
@@ -2127,8 +2143,9 @@ def test_two_nodes_on_one_machine_train_as_one_node_of_two_ranks_and_one_nodes_s
     ranks(flags + ["--dist", "ddp", "--out", str(tmp_path / "one_node")])
     losses = lambda run: [r["loss"] for r in map(json.loads, (tmp_path / run / "log.jsonl").open()) if "loss" in r]
     for how in ("ddp", "fsdp"):
-        with rendezvous() as meeting:
+        with rendezvous() as (meeting, serve):
             agents = on_two_nodes(tmp_path / how, flags + ["--dist", how], meeting)
+            serve()
             said = [agent.communicate(timeout=300)[0] for agent in agents]
         assert [agent.returncode for agent in agents] == [0, 0], said
         assert sum(s.count("model: ") for s in said) == 1, said  # global rank 0 alone prints, logs and saves:
@@ -2137,8 +2154,9 @@ def test_two_nodes_on_one_machine_train_as_one_node_of_two_ranks_and_one_nodes_s
         assert len(torch.load(tmp_path / how / "ckpt.pt", weights_only=True)["data"]) == 2
     # USR1 to one node's rank: both nodes stop. (Not to one agent: it would leave, and torchrun's exit barrier keeps
     out = tmp_path / "stopped"  # the other node's agent waiting 300 s for it. Slurm signals every node's.)
-    with rendezvous() as meeting:
+    with rendezvous() as (meeting, serve):
         agents = on_two_nodes(out, STOPPED + ["--dist", "ddp"], meeting, held_node=1)
+        serve()
         wait_for_log_lines(out / "log.jsonl", 5)
         rank = subprocess.run(["pgrep", "-P", str(agents[1].pid)], capture_output=True, text=True).stdout.split()
         os.kill(int(rank[0]), signal.SIGUSR1)  # (its loader worker is its child, not the agent's)
@@ -2996,7 +3014,7 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
     assert rows[0][1].startswith(f"all three {final['shapes']['all']:.1%}, ")  # each run's own final scores
     assert rows[1][1].startswith(f"top-1 {final['emoji']['top1']:.1%}, top-5 {final['emoji']['top5']:.1%}, "
                                  f"sharpness {final['emoji']['sharpness']:.2f}, ")
-    assert all(float(row[1].split(", ")[-1][:-len(" min")]) > 0 for row in rows)
+    assert all(re.fullmatch(r"\d+\.\d min", row[1].split(", ")[-1]) for row in rows)  # (a tiny run: "0.0 min")
     for (k, d), row in zip(runs.items(), rows):
         saved = json.load(open(os.path.join(d, "args.json")))  # the row's command is the run's
         assert (saved["data"], saved["steps"], saved["cfg_drop"]) == (out if k == "emoji" else "builtin", 4, 0.2)
