@@ -47,7 +47,7 @@ else:  # run as a script, or imported under another name
 
     import data
     import engine
-    import moe
+    import expert_parallel
     import train
     from data import atomic_write, read_json, read_text, write_json
     from model import count_params, device
@@ -159,10 +159,10 @@ def run_steps(run, args, n, get_batch, times=None, collectives=False):
 
 @contextlib.contextmanager
 def timing_exchanges(seconds, fsdp=False):
-    """Within it, every moe.exchange (--ep's all-to-alls, both ways) and, with `fsdp`, every all-gather and
+    """Within it, every expert_parallel.all_to_all (--ep's all-to-alls, both ways) and, with `fsdp`, every all-gather and
     reduce-scatter FSDP2 issues, adds its seconds to seconds[0] (each waited for: no overlap with compute is left)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    patched = [(moe, "exchange")] + [(dist, "all_gather_single"), (dist, "reduce_scatter_single")] * fsdp
+    patched = [(expert_parallel, "all_to_all")] + [(dist, "all_gather_single"), (dist, "reduce_scatter_single")] * fsdp
     reals = [getattr(module, name) for module, name in patched]
 
     def timed(real):

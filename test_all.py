@@ -43,6 +43,7 @@ from PIL import Image
 import data
 import engine
 import evaluate
+import expert_parallel
 import flow
 import moe
 import sample
@@ -1954,22 +1955,22 @@ def ep_layer_worker(rank, world=4):
             x = x0.clone().requires_grad_(True)
             ((one(x) * g).sum() / world + moe.balance_loss(one)).backward()
             full = sum(p.numel() for p in one.parameters())
-            moe.shard_experts([layer], 2)
+            expert_parallel.shard_experts([layer], 2)
             expert = sum(w.numel() for w in one.weights(0))
             assert sum(p.numel() for p in layer.parameters()) == full - 2 * expert  # 2 of the 4 experts here
             assert moe.count_params(layer) == moe.count_params(one)  # (the whole model's counts)
-            whole = moe.reshard(layer, layer.state_dict(), whole=True)  # what a checkpoint holds
+            whole = expert_parallel.reshard(layer, layer.state_dict(), whole=True)  # what a checkpoint holds
             assert all(torch.equal(whole[k], v) for k, v in one.state_dict().items())
             xr = x0[mine].clone().requires_grad_(True)
             y = layer(xr)
-            ((y * g[mine]).sum() + moe.balance_loss(layer, world=True)).backward()
-            moe.reduce_expert_grads(layer, world)  # (what train.py does after the backward)
+            ((y * g[mine]).sum() + moe.balance_loss(layer, torch.distributed.all_reduce)).backward()
+            expert_parallel.reduce_expert_grads(layer, world)  # (what train.py does after the backward)
             assert torch.allclose(y, one(x0)[mine], atol=1e-6), (impl, case)
             assert torch.allclose(xr.grad, world * x.grad[mine], atol=1e-5), (impl, case)  # (each rank's own loss)
             for name, p in layer.named_parameters():
                 grad = p.grad.clone()
                 want = one.get_parameter(name).grad
-                if name in moe.ep_sharded_names(layer):  # this rank's experts: already the whole batch's gradient
+                if name in expert_parallel.sharded_names(layer):  # this rank's experts: already the whole batch's gradient
                     want = want.chunk(2)[rank % 2]
                 else:  # replicated: DDP's mean over ranks
                     torch.distributed.all_reduce(grad)
@@ -2021,7 +2022,7 @@ def test_expert_parallel_training_matches_one_process_with_the_same_global_batch
             assert abs(a[key] - b[key]) < 1e-4 * max(1.0, abs(a[key])), (key, a, b)
     assert max(r["grad_norm"] for r in logs[0]) > 1.0  # the clip at 1.0 acted
     # each rank holds the AdamW moments of 2 of the 4 experts: one process's state less half the experts' moments
-    one_expert = sum(one["model"][f"blocks.0.x.mlp.{w}"][0].numel() for w in moe.EXPERT_WEIGHTS)
+    one_expert = sum(one["model"][f"blocks.0.x.mlp.{w}"][0].numel() for w in expert_parallel.EXPERT_WEIGHTS)
     elsewhere = 2 * 2 * one_expert * 2 * 4  # 2 layers x 2 experts x their 2 AdamW moments x 4 bytes (fp32)
     per_rank = json.loads(said["ep2"].split("optimizer state bytes per rank: ")[1].splitlines()[0])
     assert per_rank == [said["one"] - elsewhere] * 2, (per_rank, said["one"])

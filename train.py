@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import data
 import evaluate
+import expert_parallel
 import flow
 import moe
 import runfolder
@@ -190,7 +191,7 @@ def setup(args, shape=None):
         runfolder.init_weights(model, config, args.init, dev, rank)
     ema = copy.deepcopy(model).requires_grad_(False) if args.ema else model
     copies = [model, ema] if args.ema else [model]
-    moe.shard_experts(copies, args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
+    expert_parallel.shard_experts(copies, args.ep)  # --ep: each rank keeps 1 / ep of the experts, so of their AdamW state
     if args.dist == "fsdp":  # each rank keeps 1 / world of every weight, so of its gradient and AdamW state
         FSDPEngine.shard(copies, dev, bf16=args.precision == "bf16")
     # fused AdamW (CPU, CUDA, MPS): one kernel for the whole update, which also skips a bad step on the device
@@ -246,7 +247,7 @@ def train_step(run, args, micro_batches, mark=None):
         with run.engine.micro_batch(last=i == len(micro_batches) - 1):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss_i, per_i = flow.flow_loss(run.engine.forward, x0, text, mask, t_all[mine], eps, args.contrast)
-                balance_i = moe.balance_loss(run.model, run.world > 1)  # (0 for a dense model)
+                balance_i = moe.balance_loss(run.model, dist.all_reduce if run.world > 1 else None)  # (0 for a dense model)
             mark("forward")
             run.engine.backward(loss_i + balance_i)
             mark("backward")
@@ -294,7 +295,7 @@ def train_loop(args, run, signals):
                 stopped = bool(signals.caught)
             bar.update(1)
             if args.sample_every and run.step % args.sample_every == 0 and run.step < args.steps:
-                sample_grid(run, args, moe.gathered(run.ema, run.config))  # (all ranks: --ep gathers the experts)
+                sample_grid(run, args, expert_parallel.gathered(run.ema, run.config))  # (all ranks: --ep gathers the experts)
             if run.step % args.ckpt_every == 0 or run.step == args.steps:
                 save_checkpoint(run, args)
     finally:  # stop the loader's workers now: they ignore TERM, so at exit multiprocessing would wait for them forever
@@ -375,7 +376,7 @@ def sample_grid(run, args, ema, final=False):
 def final_evaluation(args, run, signals):
     """Rank 0 (FSDP: all), after the last checkpoint: every held-out prompt or name --eval-n times, scored. -> exit
     status (the ranks agree: they know whether the last checkpoint was written)."""
-    ema = moe.gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
+    ema = expert_parallel.gathered(run.ema, run.config)  # (--ep: all ranks send their experts)
     if run.ckpt_step != run.step:  # the final save failed (its warning says why)
         if run.rank == 0:
             print(f"error: the final checkpoint was not written; the last on disk: step {run.ckpt_step}",
