@@ -15,7 +15,7 @@ Diffusion Transformer with two token streams.
   * DiT's sizes S/B/L/XL (`--model S/2`: width, depth, heads, patch 2).
 
 The last layer's text stream only gives Q, K, V (SD3's "pre-only").
-Last, skippable at first: the frozen text encoder and VAE.
+The file ends with what a first read may skip: the frozen encoders.
 """
 import collections
 import contextlib
@@ -35,8 +35,7 @@ from moe import MoE, SwiGLU, count_params
 
 # for hashlib.file_digest, warnings.catch_warnings(action=...)
 if sys.version_info < (3, 11):
-    v = sys.version.split()[0]
-    raise SystemExit(f"this code needs Python 3.11 or newer; this is {v}")
+    raise SystemExit(f"this code needs Python 3.11 or newer; this is {sys.version.split()[0]}")
 
 
 # ---- Embeddings and adaLN --------------------------------------------
@@ -74,9 +73,9 @@ def attention(q, k, v, keep, impl="sdpa"):
     """softmax(q k^T / sqrt(d) + mask) v, the mask 0 where `keep`, else -inf.
 
     q, k, v (B, H, S, d); keep (B, S) bool: the keys that may be attended.
-    impl: "manual" writes it out; "sdpa" lets PyTorch pick (on a GPU, a
-    mask rules out flash: memory-efficient); "cudnn" tries cuDNN's kernel
-    first (on a CPU: sdpa). All give the same numbers."""
+    "manual" writes it out; "sdpa" lets PyTorch pick (on a GPU a mask rules
+    out flash); "cudnn" tries cuDNN's kernel first (on a CPU: sdpa). All
+    give the same numbers."""
     if impl == "manual":
         # (B, H, S, S): the memory hog
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -114,8 +113,7 @@ class Stream(nn.Module):
             self.mlp = MoE(dim, **moe) if moe else SwiGLU(dim)
 
     def shifts_scales(self, cond):
-        """cond (B, D) -> [(shift, scale) for the attention, (shift, scale)
-        for the MLP or None], each (B, D)."""
+        """cond (B, D) -> [(shift, scale) for the attention, for the MLP or None]."""
         chunks = self.adaln(cond).chunk(2 if self.qkv_only else 4, dim=-1)
         return [chunks[:2], None if self.qkv_only else chunks[2:]]
 
@@ -174,8 +172,7 @@ class DiT(nn.Module):
         super().__init__()
         moe_args = dict(n_experts=moe, topk=topk, n_shared=shared_experts, impl=moe_impl,
                         hidden=expert_hidden, balance=balance) if moe else None
-        assert image_size % patch == 0 and width % heads == 0
-        assert (width // heads) % 2 == 0
+        assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.C, self.p, self.n_side = in_channels, patch, image_size // patch
         # the longest side of data.buckets' grids (1:2, 2:1), in patches
         self.n_max = round(self.n_side * math.sqrt(2))
@@ -193,7 +190,7 @@ class DiT(nn.Module):
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.final_adaln = nn.Linear(width, 2 * width)
         self.final = nn.Linear(width, patch * patch * in_channels)
-        # train.py --grad-ckpt: recompute each block for the backward pass
+        # train.py --grad-ckpt: recompute the blocks in the backward pass
         self.grad_ckpt = False
         self.initialize_weights()
 
@@ -361,7 +358,7 @@ def bert(w, cfg, ids, mask):
 def loading(flag, name, errors=(OSError, ValueError)):
     """Around loading a hub id or folder: a path that is no folder fails at
     once, not after the hub's retries; a model not found says how to get it."""
-    # a path: it starts with / or ., or its first part is a folder here
+    # a path: starts with / or ., or its first part is a folder here
     first = name.split("/")[0]
     looks_local = name.startswith(("/", ".")) or ("/" in name and os.path.isdir(first))
     if looks_local and not os.path.isdir(name):
@@ -477,7 +474,7 @@ class VAE:
         config, self.device = self.model.config, device
         self.channels = config.latent_channels
         self.factor = 2 ** (len(config.block_out_channels) - 1)
-        # (SD3's and Flux's VAEs shift too)
+        # SD3's and Flux's VAEs shift too
         self.scale, self.shift = config.scaling_factor, config.shift_factor or 0.0
 
     @torch.no_grad()

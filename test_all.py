@@ -2986,7 +2986,7 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
     names = evaluate.names_set(out, 16)
     real = names["real"]
     want = torch.arange(len(real)).repeat(4)
-    near_misses = evaluate.views(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
+    near_misses = evaluate.near_misses(real[want], torch.Generator().manual_seed(7))  # not the classifier's own views
     good = evaluate.retrieval_scores(near_misses, want, names)  # trains NameNet on first use, cached beside the set
     assert os.path.exists(os.path.join(out, "namenet16.pt"))
     assert good["top1"] >= 0.9 and good["top5"] == 1 and good["chance1"] == 1 / 8
