@@ -170,7 +170,7 @@ def reshard(model, state, whole):
     return state
 
 
-def gathered(model, config):
+def whole_model(model, config):
     """`model` with every expert, to sample with in one process: all ranks
     send their experts to a new type(model)(**config) on rank 0; the others
     get None. Without --ep: `model`."""

@@ -173,7 +173,7 @@ class DiT(nn.Module):
         moe_args = dict(n_experts=moe, topk=topk, n_shared=shared_experts, impl=moe_impl,
                         hidden=expert_hidden, balance=balance) if moe else None
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
-        self.C, self.p, self.n_side = in_channels, patch, image_size // patch
+        self.channels, self.patch, self.n_side = in_channels, patch, image_size // patch
         # the longest side of data.buckets' grids (1:2, 2:1), in patches
         self.n_max = round(self.n_side * math.sqrt(2))
         # learned; at first DiT's table of the square grid, extended all round
@@ -232,13 +232,13 @@ class DiT(nn.Module):
 
     def unpatchify(self, x, h, w):
         """(B, h w, p p C) -> (B, C, h p, w p)."""
-        B, p, C = x.shape[0], self.p, self.C
+        B, p, C = x.shape[0], self.patch, self.channels
         x = x.view(B, h, w, p, p, C).permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
         return x.reshape(B, C, h * p, w * p)
 
     def forward(self, x, t, text, mask):
         # any grid up to n_max a side (one bucket per batch)
-        h, w = x.shape[-2] // self.p, x.shape[-1] // self.p
+        h, w = x.shape[-2] // self.patch, x.shape[-1] // self.patch
         x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.positions(h, w)
         c = self.text_in(text)  # (B, L, D)
         m = mask[..., None].to(text.dtype)

@@ -391,10 +391,10 @@ def log_step(run, args, out, signals, img_per_s, bar):
         run.log.write(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
-        end(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite "
-                    f"loss or gradient norm (each skipped). The last checkpoint is {args.out}/"
-                    f"{CKPT} at step {run.ckpt_step}: check the data, or resume from it with "
-                    "a lower --lr (--override lr)")
+        finish(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite "
+               f"loss or gradient norm (each skipped). The last checkpoint is {args.out}/"
+               f"{CKPT} at step {run.ckpt_step}: check the data, or resume from it with "
+               "a lower --lr (--override lr)")
     return stop > 0
 
 
@@ -418,7 +418,8 @@ class StopSignals:
         self.caught, self.defer = [], False
         self.pid, self.first_at = os.getpid(), None
         self.same_event = same_event
-        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        stops = (signal.SIGUSR1, signal.SIGTERM)
+        self.saved_handlers = {s: signal.signal(s, self.handle) for s in stops}
         if watch_launcher:
             threading.Thread(target=self.watch, args=(os.getppid(),), daemon=True).start()
 
@@ -440,7 +441,7 @@ class StopSignals:
             raise Interrupted(signum)
 
 
-def end(run, code, error=None):
+def finish(run, code, error=None):
     """Close the log; under torchrun check that the replicas agree (unless
     on an `error`), leave -> the Run, or SystemExit(error or code)."""
     if run.log:

@@ -97,8 +97,8 @@ def load(path, raw=False):
 def noise(model, n, seed, size=None, factor=1):
     """(n, C, h, w) noise from `seed`, drawn on the CPU to match on any
     device; size: (W, H) pixels, default the training square."""
-    W, H = size or (model.n_side * model.p * factor,) * 2
-    shape = (n, model.C, H // factor, W // factor)
+    W, H = size or (model.n_side * model.patch * factor,) * 2
+    shape = (n, model.channels, H // factor, W // factor)
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(next(model.parameters()).device)
 
@@ -230,7 +230,7 @@ def main(argv=None):
                            args.seed, args.batch, about)
     if args.routing:
         return routing_maps(model, encoder, image_size, args.out or beside, args.seed)
-    patch = model.p * (model.vae.factor if model.vae else 1)  # pixels
+    patch = model.patch * (model.vae.factor if model.vae else 1)  # pixels
     if args.size:
         W, H = args.size
         if W % patch or H % patch or max(W, H) > model.n_max * patch:
