@@ -30,8 +30,7 @@ import runfolder
 import sample
 from engine import Engine, FSDPEngine, init_distributed, make_engine
 from model import MODELS, DiT, TextEncoder, load_vae, preset, to_device
-from runfolder import (CKPT, TRAJECTORY, Interrupted, StopSignals, finish, holds_checkpoint,
-                       log_step, save_checkpoint)
+from runfolder import CKPT, TRAJECTORY, Interrupted, StopSignals
 
 
 # ---- Flags ----
@@ -165,7 +164,7 @@ def get_args(argv=None, parser=None):
     if set(args.override) - set(TRAJECTORY) - {"world"}:
         p.error(f"--override: {args.override!r}; choose from world,"
                 f"{','.join(k.replace('_', '-') for k in TRAJECTORY)}")
-    found = holds_checkpoint(args.out)
+    found = runfolder.holds_checkpoint(args.out)
     args.resume = args.resume or (args.auto_resume and found)
     # a resume takes its checkpoint's
     if args.workers is None and not args.resume:
@@ -372,7 +371,7 @@ def train_loop(args, run, signals):
             n_seen += sum(x0.shape[0] for x0, *_ in micro_batches) * run.world
             if run.step % args.log_every == 0 or run.step == args.steps:
                 img_per_s = n_seen / (time.time() - t_window)
-                stopped = log_step(run, args, stats, signals, img_per_s, bar)
+                stopped = runfolder.log_step(run, args, stats, signals, img_per_s, bar)
                 n_seen, t_window = 0, time.time()
             # one process needs no all-reduce to know it was signalled
             elif run.world == 1:
@@ -382,7 +381,7 @@ def train_loop(args, run, signals):
                 # every rank: --ep gathers the experts
                 sample_grid(run, args, expert_parallel.whole_model(run.ema, run.config))
             if run.step % args.ckpt_every == 0 or run.step == args.steps:
-                save_checkpoint(run, args)
+                runfolder.save_checkpoint(run, args)
     finally:
         # the workers ignore TERM: at exit, they would be waited for forever
         stream.close()
@@ -404,13 +403,13 @@ def main(argv=None):
                   end="", flush=True)
             # the same signal arriving twice is not a second one
             signals.defer, t0 = True, time.time()
-            code = 0 if save_checkpoint(run, args) else 1
+            code = 0 if runfolder.save_checkpoint(run, args) else 1
             if run.rank == 0 and not code:
                 print(f"caught {name}: checkpoint written at step {run.step} "
                       f"in {time.time() - t0:.1f} s (--resume)")
         else:
             code = final_evaluation(args, run, signals)
-        return finish(run, code)
+        return runfolder.finish(run, code)
     # start-up, the final samples, or a second signal: leave now
     except Interrupted as e:
         signum = e.args[0]
