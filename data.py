@@ -1,5 +1,6 @@
 """data.py -- what the model eats: built-in shapes, images <-> tensors,
-WebDataset streaming, files; the offline tools.
+WebDataset streaming (from disk, HTTP(S), gs:// or a store's client),
+files; the offline tools.
 
     python data.py shards SRC OUT --size 256   # captioned images -> shards
     python data.py emoji OUT                   # named pictures, offline
@@ -9,10 +10,12 @@ The stream is a pure function of (seed, epoch, rank, worker): `--resume`
 is exact.
 """
 import atexit
+import base64
 import bisect
 import collections
 import contextlib
 import hashlib
+import http.client
 import io
 import itertools
 import json
@@ -21,14 +24,21 @@ import multiprocessing
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import webdataset as wds
+from braceexpand import braceexpand
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
@@ -95,18 +105,21 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0, mixed=False
     if os.path.exists(os.path.join(root, "DONE")):
         return tars(root)
     tmp, counts = f"{root}.tmp{os.getpid()}", collections.Counter()
+    names = [f"shapes-{shard:04d}.tar" for shard in range(n_shards)]
     os.makedirs(tmp, exist_ok=True)
     for shard in tqdm(range(n_shards), desc=f"generating built-in data -> {root}", unit="shard"):
         # each shard reproducible on its own
         rng = random.Random(f"{seed}-{size}-{shard}")
-        with wds.TarWriter(os.path.join(tmp, f"shapes-{shard:04d}.tar"), mtime=0) as sink:
+        with wds.TarWriter(os.path.join(tmp, names[shard]), mtime=0) as sink:
             for i in range(per_shard):
                 text, a = random_caption(rng)
                 wh = rng.choice(buckets(size, 4)) if mixed else (size, size)
                 png = encoded(render(a["color"], a["shape"], a["position"], wh, rng), "PNG")
                 sink.write({"__key__": f"{shard:04d}{i:06d}", "png": png, "txt": text, "json": a})
                 counts["%dx%d" % wh] += mixed
-    write_json(os.path.join(tmp, "manifest.json"), dict(buckets=+counts))
+    # the names: a folder served over HTTP lists its shards here
+    write_json(os.path.join(tmp, "manifest.json"), dict(
+        buckets=+counts, shards=[dict(name=n, samples=per_shard) for n in names]))
     open(os.path.join(tmp, "DONE"), "w").close()
     try:
         # atomic: a half-written dataset is never seen as done
@@ -208,7 +221,7 @@ def nearest(sizes, w, h):
 def bucket_shares(shards, size, multiple):
     """manifest.json's per-bucket counts -> {(W, H) of buckets(size,
     multiple): samples}; None for square data."""
-    manifest = read_json(os.path.join(os.path.dirname(shards[0]), "manifest.json"))
+    manifest = read_beside(shards[0], "manifest.json")
     counts = (manifest or {}).get("buckets") or {}
     shares = collections.Counter()
     for k, n in counts.items():
@@ -217,21 +230,48 @@ def bucket_shares(shards, size, multiple):
 
 
 # ---- Streaming: shards -> samples -> shuffle buffer -> batches ---------------
+# what read_tars downloads rather than opens
+REMOTE = ("http://", "https://", "gs://", "pipe:")
+# --retries' default: reopenings of a remote shard after a fault
+RETRIES = 3
+# seconds before the first reopening; each next waits twice as long
+BACKOFF = 1.0
+# seconds an HTTP connection may stay silent before it counts as cut
+TIMEOUT = 60
+
+
 def tars(folder):
     """The .tar files of a folder, sorted."""
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".tar"))
 
 
 def resolve_shards(data, image_size):
-    """--data -> sorted .tar paths (the built-in set made if missing)."""
+    """--data -> sorted shards: paths, URLs or pipe: commands (the
+    built-in set made if missing)."""
     if data in (BUILTIN, MIXED):
         name = f"shapes{image_size}{'-mixed' if data == MIXED else ''}-v{VERSION}"
         return make_builtin(os.path.join("data", name), size=image_size, mixed=data == MIXED)
-    paths = tars(data) if os.path.isdir(data) else sorted(p for p in data.split(",") if p)
-    if not paths or not all(os.path.exists(p) for p in paths):
-        raise SystemExit(f"--data {data!r}: no .tar shards found; pass a folder of shards, "
-                         f"comma-separated .tar paths, '{BUILTIN}' or '{MIXED}'")
-    return paths
+    if os.path.isdir(data):
+        shards = tars(data)
+    elif is_folder_url(data):
+        shards = served_shards(data)
+    else:
+        # a comma inside braces is braceexpand's, not a list's
+        parts = [data] if "{" in data else data.split(",")
+        shards = sorted(s for part in parts if part for s in braceexpand(part))
+    local = [s for s in shards if not s.startswith(REMOTE)]
+    urls = [s for s in shards if s.startswith(REMOTE) and not s.startswith("pipe:")]
+    if not_tar := [u for u in urls if not urllib.parse.urlsplit(u).path.endswith(".tar")]:
+        raise SystemExit(f"--data: {masked(not_tar[0])} names no .tar; a folder URL ends in /")
+    if not shards or not all(os.path.exists(s) for s in local):
+        raise SystemExit(
+            f"--data {masked(data)!r}: no .tar shards found; pass a folder of shards, "
+            f"comma-separated .tar paths, a folder URL ending in / (http(s):// or gs://) whose "
+            f"manifest.json names its shards, a brace pattern such as "
+            f"https://host/x/shard-{{00000..00099}}.tar, a store's client as "
+            f"'pipe:aws s3 cp s3://bucket/x/shard-{{00000..00099}}.tar -', "
+            f"'{BUILTIN}' or '{MIXED}'")
+    return shards
 
 
 def source(folder):
@@ -251,10 +291,65 @@ def worker_shards(shards, seed, epoch, rank, world, worker, n_workers):
     return order[rank * n_workers + worker::world * n_workers]
 
 
-def read_tars(urls, handler=wds.reraise_exception):
-    """.tar paths -> their samples {__key__, __url__, ext: bytes}, in order;
-    handler(error) -> go on? The one place a shard is opened."""
-    return wds.tarfile_samples(({"url": u} for u in urls), handler=handler)
+def read_tars(urls, handler=wds.reraise_exception, retries=0, faults=None):
+    """Shards -> their samples {__key__, __url__, ext: bytes}, in order;
+    handler(error) -> go on to the next shard? The one place a shard is
+    opened: a remote one that fails is retried (shard_samples), one that
+    stays unreachable skipped with a warning and counted in `faults`."""
+    faults = Faults() if faults is None else faults
+    for url in urls:
+        try:
+            yield from shard_samples(url, retries, faults)
+        except ShardLost as e:
+            faults.unreachable, faults.last = faults.unreachable + 1, str(e)
+            warnings.warn(f"skipping unreachable shard {e}")
+        except Exception as e:
+            if not handler(e):
+                return
+
+
+def shard_samples(url, retries, faults):
+    """One shard's samples. A remote one that fails part-way (a cut
+    connection, a timeout, a client exiting non-zero) is reopened up to
+    `retries` times, BACKOFF * 2^k s apart, past the samples already read:
+    nothing is lost or repeated. -> ShardLost where that fails."""
+    if not url.startswith(REMOTE):
+        with open(url, "rb") as f:
+            yield from tar_samples(f, url)
+        return
+    done = 0
+    for attempt in range(retries + 1):
+        try:
+            with Download(url) as stream:
+                # a reopened shard: the samples before `done` were read
+                for s in itertools.islice(tar_samples(stream, url), done, None):
+                    done += 1
+                    yield s
+            return
+        except (OSError, http.client.HTTPException) as e:
+            why = f"{masked(url)}: {masked(reason(e))}" + f" ({done} samples read)" * bool(done)
+            if attempt == retries or gone(e):
+                raise ShardLost(why) from None
+            faults.retries += 1
+            wait = BACKOFF * 2 ** attempt
+            warnings.warn(f"retry {attempt + 1} of {retries} in {wait:g} s: {why}")
+            time.sleep(wait)
+
+
+def reason(error):
+    """A download error's own message, less where webdataset says it met
+    it (an " @ stream" and more arguments)."""
+    own_text = (urllib.error.URLError, http.client.HTTPException)
+    if isinstance(error, own_text) or getattr(error, "strerror", None):
+        return str(error)
+    return str(error.args[0] if error.args else error).partition(" @ ")[0]
+
+
+def tar_samples(stream, url):
+    """An open tar -> its samples; an error raised, a partial sample
+    never yielded."""
+    files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
+    return wds.tariterators.group_by_keys(files)
 
 
 def decode(s, sizes):
@@ -277,7 +372,8 @@ def decode(s, sizes):
         return dict(image=to_tensor(img, bucket), caption=s["txt"].decode("utf-8"),
                     bucket=bucket)
     except Exception as e:
-        warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {s.get('__url__')}: {e}")
+        where = masked(s.get("__url__"))
+        warnings.warn(f"skipping bad sample {s.get('__key__')!r} in {where}: {e}")
 
 
 def shuffled(it, bufsize, rng):
@@ -312,18 +408,21 @@ class ShardStream(torch.utils.data.IterableDataset):
         raw      tar samples it read, bad ones included
         skipped  bad samples (and unreadable shard data) it skipped
         pooled   which of those (numbered from 1) wait in a bucket's pool
+        retries      remote shards it reopened after a fault
+        unreachable  remote shards it gave up (read_tars)
 
-    `resume`: {worker: that record}; `size`: a side, or {(W, H): share}.
+    `resume`: {worker: that record}; `size`: a side, or {(W, H): share};
+    `retries`: reopenings of a remote shard before it is given up.
     """
 
     def __init__(self, shards, batch_size, size, seed=0, epoch=0, rank=0, world=1,
-                 buffer=1000, resume=None, batches_before=0):
+                 buffer=1000, resume=None, batches_before=0, retries=RETRIES):
         shares = {(size, size): 1} if isinstance(size, int) else size
         self.sizes = list(shares)
         self.share_ends = list(itertools.accumulate(shares.values()))
         self.shards, self.batch_size = list(shards), batch_size
         self.buffer, self.resume = buffer, resume or {}
-        self.seed, self.rank, self.world = seed, rank, world
+        self.seed, self.rank, self.world, self.retries = seed, rank, world, retries
         # shared memory: workers live across epochs and read it at each start
         self.epoch_start = multiprocessing.RawArray("q", [epoch, batches_before])
         # u_0 of bucket()'s sequence
@@ -349,11 +448,15 @@ class ShardStream(torch.utils.data.IterableDataset):
                                   worker, n_workers)
         rng = random.Random(f"samples-{self.seed}-{self.epoch}-{self.rank}-{worker}")
         # bucket -> [(sample number, sample)]
-        self.skipped, pools = 0, {b: [] for b in self.sizes}
-        stream = shuffled(read_tars(my_shards, handler=self.unreadable), self.buffer, rng)
+        self.skipped, self.faults, pools = 0, Faults(), {b: [] for b in self.sizes}
+        samples = read_tars(my_shards, self.unreadable, self.retries, self.faults)
+        stream = shuffled(samples, self.buffer, rng)
         saved = resume.get(worker, dict(batches=0, raw=0, skipped=0, pooled=[]))
         yield from self.fast_forward(stream, saved, worker, pools)
         n_read, self.skipped, n_made = saved["raw"], saved["skipped"], saved["batches"]
+        # the faults before the checkpoint, and those the re-reading met
+        self.faults.retries += saved.get("retries", 0)
+        self.faults.unreachable += saved.get("unreachable", 0)
         for s in stream:
             n_read += 1
             if (item := decode(s, self.sizes)) is None:
@@ -370,7 +473,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 n_made += 1
                 waiting = sorted(i for pool in pools.values() for i, _ in pool)
                 yield dict(collate([x for _, x in batch]), worker=worker, batches=n_made,
-                           raw=n_read, skipped=self.skipped, pooled=waiting)
+                           raw=n_read, skipped=self.skipped, pooled=waiting,
+                           retries=self.faults.retries, unreachable=self.faults.unreachable)
             # a bucket its shards lack would pool all it reads: end the epoch
             if sum(map(len, pools.values())) > self.buffer + len(self.sizes) * B:
                 break
@@ -379,7 +483,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def unreadable(self, exn):
         """read_tars' handler: warn about and count a bad tar, read on."""
         self.skipped += 1
-        warnings.warn(f"skipping unreadable shard data: {exn!r}")
+        warnings.warn(f"skipping unreadable shard data: {masked(repr(exn))}")
         return True
 
     def fast_forward(self, stream, saved, worker, pools):
@@ -396,11 +500,11 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 def make_loader(shards, batch_size, size, seed, epoch, rank=0, world=1, workers=1,
-                resume=None, batches_before=0):
+                resume=None, batches_before=0, retries=RETRIES):
     """DataLoader over one epoch; for the next, set dataset.epoch_start and
     iterate again (the workers stay)."""
     ds = ShardStream(shards, batch_size, size, seed, epoch, rank, world, resume=resume,
-                     batches_before=batches_before)
+                     batches_before=batches_before, retries=retries)
     # its own generator: the base seed is not drawn from the global RNG
     return torch.utils.data.DataLoader(
         ds, batch_size=None, num_workers=workers, worker_init_fn=leave_stops_to_rank,
@@ -446,12 +550,14 @@ class Position:
     workers: dict = field(default_factory=dict)
     skipped_before: int = 0  # bad samples in the finished epochs
     skipped: int = 0  # ... and in all
+    retries: int = 0  # remote shards reopened after a fault, in all
+    unreachable: int = 0  # remote shards given up, in all
 
 
-def batches(shards, batch_size, size, seed, rank, world, workers, pos):
+def batches(shards, batch_size, size, seed, rank, world, workers, pos, retries=RETRIES):
     """One rank's endless batches from Position `pos` on, kept up to date."""
     loader = make_loader(shards, batch_size, size, seed, pos.epoch, rank, world, workers,
-                         resume=dict(pos.workers))
+                         resume=dict(pos.workers), retries=retries)
     while True:
         loader.dataset.epoch_start[:] = [pos.epoch, pos.batches_before]
         for i, b in enumerate(loader):
@@ -464,7 +570,12 @@ def batches(shards, batch_size, size, seed, rank, world, workers, pos):
                                    f"checkpoint put it")
             if i < pos.batch_in_epoch:
                 continue
-            pos.workers[b["worker"]] = {k: b[k] for k in ("batches", "raw", "skipped", "pooled")}
+            # the faults since this worker's last batch
+            before = pos.workers.get(b["worker"], {})
+            pos.retries += b["retries"] - before.get("retries", 0)
+            pos.unreachable += b["unreachable"] - before.get("unreachable", 0)
+            keys = ("batches", "raw", "skipped", "pooled", "retries", "unreachable")
+            pos.workers[b["worker"]] = {k: b[k] for k in keys}
             pos.skipped = pos.skipped_before + sum(w["skipped"] for w in pos.workers.values())
             pos.batch_in_epoch = i + 1
             yield b
@@ -479,10 +590,18 @@ def batches(shards, batch_size, size, seed, rank, world, workers, pos):
 
 def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
     """Why an epoch gave a rank no batch: each worker's samples read."""
-    n_workers = max(workers, 1)
+    n_workers, faults = max(workers, 1), Faults()
     parts = [worker_shards(shards, seed, epoch, rank, world, w, n_workers)
              for w in range(n_workers)]
-    counts = [sum(1 for _ in read_tars(part, wds.ignore_and_continue)) for part in parts]
+    with warnings.catch_warnings():
+        # the epoch just warned of each
+        warnings.simplefilter("ignore")
+        counts = [sum(1 for _ in read_tars(part, wds.ignore_and_continue, faults=faults))
+                  for part in parts]
+    if faults.unreachable == sum(map(len, parts)):
+        return (f"no shard of rank {rank} could be read: {faults.unreachable} unreachable, the "
+                f"last {faults.last}. Check --data's address and that its server or client "
+                f"answers (for pipe: run its command by hand)")
     return (f"epoch {epoch} gave rank {rank} no batch of --batch-size {batch_size}: its "
             f"{n_workers} loader worker(s) read {', '.join(map(str, counts))} samples of "
             f"{len(shards)} shards over {world} rank(s) (each worker batches its own samples; "
@@ -490,7 +609,195 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
             f"--workers or ranks, or more data.")
 
 
-# ==== A first read may skip the rest: files, JSON, the offline tools =========
+# ==== A first read may skip the rest: shards over a network, files, tools =====
+# ---- Shards over a network: HTTP(S), gs://, any store's client ---------------
+@dataclass
+class Faults:
+    """What read_tars met over a network (ShardStream's record counts it)."""
+    retries: int = 0  # reopenings after a fault
+    unreachable: int = 0  # shards given up
+    last: str = ""  # the last shard given up, and why
+
+
+class ShardLost(Exception):
+    """A remote shard given up: not there, or failing past --retries."""
+
+
+class ShardCut(OSError):
+    """A download that ended short, where tar alone would see a clean end."""
+
+
+class Download:
+    """A remote file's bytes as they arrive, as a file. read() raises
+    ShardCut where they end short: before the Content-Length (a cut
+    connection), or with a client (gsutil, pipe:'s command) exiting
+    non-zero."""
+
+    def __init__(self, url, timeout=TIMEOUT):
+        self.url, self.process, self.response = url, None, None
+        if url.startswith(("http://", "https://")):
+            self.response = urllib.request.urlopen(http_request(url), timeout=timeout)
+            self.stream = self.response
+        else:
+            # gs:// as webdataset opens it; pipe:'s command in a shell
+            cmd = ["gsutil", "cat", url] if url.startswith("gs://") else url[len("pipe:"):]
+            self.process = subprocess.Popen(cmd, shell=isinstance(cmd, str),
+                                            stdout=subprocess.PIPE)
+            self.stream = self.process.stdout
+
+    def read(self, n=-1):
+        chunk = self.stream.read(n)
+        if not chunk and n:
+            self.check_whole()
+        return chunk
+
+    def check_whole(self):
+        """At the end: ShardCut unless every byte promised came."""
+        if self.response and self.response.length:
+            raise ShardCut(f"the connection closed {self.response.length} bytes short")
+        if self.process and (status := self.process.wait()):
+            cut = ShardCut(f"its client exited with status {status}")
+            cut.status = status
+            raise cut
+
+    def close(self):
+        self.stream.close()
+        # a tar ends before its padding: the client may still be writing
+        if self.process:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        self.close()
+
+
+def http_request(url):
+    """An http(s) URL -> a urllib Request; its user:password sent as Basic
+    authorization (urllib would take it for part of the host)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return urllib.request.Request(url)
+    host = parts.netloc.rpartition("@")[2]
+    request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=host)))
+    user, password = (urllib.parse.unquote(x or "") for x in (parts.username, parts.password))
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request.add_header("Authorization", f"Basic {token}")
+    return request
+
+
+def gone(error):
+    """A fault no retry mends: the server says the file is not there, or
+    not ours (HTTP 4xx, less a timeout's 408 and a rate limit's 429); the
+    client is not installed (the shell's 127, 126: not runnable)."""
+    if isinstance(error, urllib.error.HTTPError):
+        return 400 <= error.code < 500 and error.code not in (408, 429)
+    return isinstance(error, FileNotFoundError) or getattr(error, "status", 0) in (126, 127)
+
+
+def fetch(url, retries=RETRIES):
+    """A remote file's bytes; None where it is not there (HTTP 4xx, or a
+    client that fails: it cannot say why). A server that keeps failing
+    -> SystemExit naming the URL."""
+    for attempt in range(retries + 1):
+        try:
+            with Download(url) as f:
+                whole = f.read()
+                f.check_whole()
+            return whole
+        except (OSError, http.client.HTTPException) as e:
+            by_client = not url.startswith(("http://", "https://"))
+            if gone(e) or by_client and isinstance(e, ShardCut):
+                return None
+            if attempt == retries:
+                raise SystemExit(f"could not read {masked(url)}: {masked(e)}") from None
+            time.sleep(BACKOFF * 2 ** attempt)
+
+
+# a URL in a message: scheme://, then up to a space or a quote
+URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
+
+
+def masked(text):
+    """text with every URL's password and query values hidden, as a run
+    prints and saves it: https://user:***@host/x.tar?token=***."""
+    def hide(match):
+        try:
+            parts = urllib.parse.urlsplit(match.group())
+            netloc = parts.netloc
+            if parts.password is not None:
+                user_and_password, _, host = netloc.rpartition("@")
+                netloc = f"{user_and_password.partition(':')[0]}:***@{host}"
+        except ValueError:
+            return match.group().partition("://")[0] + "://***"
+        pairs = (q.partition("=") for q in parts.query.split("&") if q)
+        query = "&".join(k + "=***" if eq else "***" for k, eq, _ in pairs)
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+    return URL.sub(hide, str(text))
+
+
+def is_folder_url(data):
+    """--data names a served folder: http(s):// or gs://, ending in /."""
+    return (data.startswith(("http://", "https://", "gs://"))
+            and urllib.parse.urlsplit(data).path.endswith("/"))
+
+
+def beside(shard, name):
+    """The file `name` in a shard's folder, addressed as the shard is: a
+    path, a URL (its query kept), or pipe:'s command with the shard's name
+    (its word ending in .tar) swapped; None where a command names none."""
+    if shard.startswith("pipe:"):
+        words = shard.split(" ")
+        named = [i for i, w in enumerate(words) if w.endswith(".tar")]
+        if not named:
+            return None
+        head, slash, _ = words[named[-1]].rpartition("/")
+        words[named[-1]] = head + slash + name
+        return " ".join(words)
+    if shard.startswith(REMOTE):
+        parts = urllib.parse.urlsplit(shard)
+        folder = parts.path.rpartition("/")[0]
+        return urllib.parse.urlunsplit(parts._replace(path=f"{folder}/{name}"))
+    return os.path.join(os.path.dirname(shard), name)
+
+
+def read_beside(shard, name):
+    """The JSON file `name` in a shard's folder (local or not); None where
+    there is none."""
+    where = beside(shard, name)
+    if where is None or not where.startswith(REMOTE):
+        return where and read_json(where)
+    whole = fetch(where)
+    return None if whole is None else json.loads(whole)
+
+
+def served_shards(folder):
+    """A folder URL -> its shards' URLs, as its manifest.json names them."""
+    manifest = read_beside(folder, "manifest.json")
+    names = [s["name"] if isinstance(s, dict) else s for s in (manifest or {}).get("shards", [])]
+    if not names:
+        why = "no manifest.json there" if manifest is None else "its manifest.json names no shards"
+        raise SystemExit(f"--data {masked(folder)}: {why}. Write the folder with data.py shards "
+                         f"(it names them), or pass a brace pattern such as "
+                         f"{masked(folder)}shard-{{00000..00099}}.tar")
+    return sorted(beside(folder, n) for n in names)
+
+
+def shard_name(shard):
+    """A shard's file name, however it is addressed."""
+    if shard.startswith("pipe:"):
+        shard = next((w for w in reversed(shard.split(" ")) if w.endswith(".tar")), shard)
+    elif shard.startswith(REMOTE):
+        shard = urllib.parse.urlsplit(shard).path
+    return shard.rpartition("/")[2]
+
+
+# ---- Files and JSON ----------------------------------------------------------
 def atomic_write(path, write, keep=None):
     """write(f) to path.tmp, fsync, rename over `path` (the old to `keep`):
     a crash leaves the old file or the new, never a torn one."""
@@ -703,11 +1010,11 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     """Raw shards -> shards {latent.npy, text.npy (fp16), mask.npy, txt},
     one per shard; a rerun skips the finished ones."""
     device = device or model.device()
-    meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=src)
+    meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=masked(src))
     shards = resolve_shards(src, image_size)
     old = read_json(os.path.join(out, "precompute.json"))
     if bucket_shares(shards, image_size, 1):
-        raise SystemExit(f"{src}: pictures of several aspect ratios; precompute writes one "
+        raise SystemExit(f"{masked(src)}: pictures of several aspect ratios; precompute writes one "
                          f"square size: train on them")
     if old not in (None, meta):
         raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those "
@@ -718,15 +1025,15 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     os.makedirs(out, exist_ok=True)
     # train.py checks its flags against this
     write_json(os.path.join(out, "precompute.json"), meta)
-    todo = [s for s in shards if not os.path.exists(os.path.join(out, os.path.basename(s)))]
+    todo = [s for s in shards if not os.path.exists(os.path.join(out, shard_name(s)))]
     skipped = 0
     print(f"{len(shards) - len(todo)} of {len(shards)} shards already done")
     for shard in tqdm(todo, desc=f"precompute -> {out}", unit="shard"):
-        dst = os.path.join(out, os.path.basename(shard))
+        dst = os.path.join(out, shard_name(shard))
         # .tmp until finished, so a shard under its own name is done
         with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
-            samples = list(read_tars([shard],
-                                     handler=lambda e: warnings.warn(repr(e)) or True))
+            samples = list(read_tars([shard], lambda e: warnings.warn(masked(repr(e))) or True,
+                                     retries=RETRIES))
             for i in range(0, len(samples), batch_size):
                 part = [(s, decode(s, [(image_size, image_size)]))
                         for s in samples[i:i + batch_size]]
@@ -777,7 +1084,7 @@ def get_parser():
 
     c = sub.add_parser("precompute", help="raw shards -> fp16 latents, text states, masks")
     a = c.add_argument
-    a("src", help="raw shard folder (or 'builtin')")
+    a("src", help="raw shards, as train.py's --data takes them (or 'builtin')")
     a("out", help="output folder (rerun to resume)")
     a("--vae", default="none", help="as train.py's: 'none' keeps pixels, else hub id / folder")
     a("--text-encoder", default="minilm", help="as train.py's")

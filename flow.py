@@ -11,8 +11,8 @@ Fast"; SD3, Esser et al. 2024):
     guidance (Ho & Salimans 2022):  v = v_u + w (v_c - v_u)
     time shift (SD3, sec. 5.3.2):   t' = s t / (1 + (s - 1) t)
     contrastive flow matching:      loss - lambda E || v_theta - v*~ ||^2,
-      v*~ another sample's target (Stoica et al. 2025, arXiv 2506.05350;
-      lambda = 0.05 there)
+      v*~ its neighbour's target: samples 2k and 2k + 1 of the batch
+      swap (Stoica et al. 2025, arXiv 2506.05350; lambda = 0.05 there)
 
 The learned paths are close to straight, so a few Euler steps land near
 the data (CLAIMS.md grades 1, 2, 4, 8 and 25 steps).
@@ -61,21 +61,28 @@ def interpolate(x0, eps, t):
 def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     """-> (loss, per-sample flow loss (B,)) for data x0 at times t (B,),
     noise eps. contrast = lambda > 0 also pushes each prediction v away
-    from the batch's previous sample's target b (contrastive flow matching):
+    from its neighbour's target b (contrastive flow matching), samples
+    2k and 2k + 1 paired (B even):
 
         || v - a ||^2 - lambda || v - b ||^2
             = (1 - lambda) || v - (a - lambda b) / (1 - lambda) ||^2 + const,
 
     a regression onto its own target a, moved away from another caption's.
-    The per-sample loss (logged) is the plain one."""
+    Pairs never straddle an even cut, so any split of the global batch
+    into even micro-batches and ranks gives the same pairs. The
+    per-sample loss (logged) is the plain one."""
     v = model(interpolate(x0, eps, t), t, text, mask).float()
     target = eps - x0
     dims = tuple(range(1, x0.dim()))
     per_sample = ((v - target) ** 2).mean(dim=dims)
     if not contrast:
         return per_sample.mean(), per_sample
-    # sample i - 1's target: batches are shuffled, so another caption's
-    other = ((v - target.roll(1, dims=0)) ** 2).mean(dim=dims)
+    if x0.shape[0] % 2:
+        raise ValueError(f"contrastive flow matching pairs samples: a batch of "
+                         f"{x0.shape[0]} is odd; use an even --batch-size")
+    # 0 <-> 1, 2 <-> 3, ...: batches are shuffled, so another caption's
+    swapped = target.unflatten(0, (-1, 2)).flip(1).flatten(0, 1)
+    other = ((v - swapped) ** 2).mean(dim=dims)
     return per_sample.mean() - contrast * other.mean(), per_sample
 
 

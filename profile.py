@@ -3,6 +3,7 @@ one flag flipped side by side.
 
     python profile.py compute --trace      # ms per phase, img/s, memory, MFU
     python profile.py --compare moe=0,8    # a ratio table
+    python profile.py dataloader --compare data=builtin,loopback  # over HTTP
     python profile.py suite                # the one-flag comparisons
     python profile.py recipe               # scores on the shapes and the emoji
 
@@ -39,6 +40,7 @@ else:
     import statistics
     import subprocess
     import tempfile
+    import threading
     import time
 
     import torch
@@ -90,7 +92,8 @@ def get_parser():
     add("--warmup-iters", type=int, default=3, help="untimed steps first")
     add("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
     add("--compare", help="FLAG=A,B[,C]: a train.py flag's settings side by side (switches: "
-        "off,on); nproc=1,2: ranks of 1 thread; dist, ep: 2 ranks; grad-accum keeps the batch")
+        "off,on); nproc=1,2: ranks of 1 thread; dist, ep: 2 ranks; grad-accum keeps the batch; "
+        "data=FOLDER,loopback: FOLDER's shards also over HTTP from 127.0.0.1")
     add("--repeats", type=int, help="--compare: runs per setting (3; suite: 2 on a GPU, 1 on CPU)")
     add("--json", help="write the result JSON here (used by --compare)")
     return p
@@ -331,11 +334,11 @@ def compare(args, argv):
     values, repeats = values.split(","), args.repeats or 3
     base = without_flags(argv, {"--compare", "--repeats", "--json"}, {"--trace"})
     runs = {v: [] for v in values}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, loopback(args, flag, values) as served:
         for r, v in itertools.product(range(repeats), values):
             # a value may be a path
             out = os.path.join(tmp, f"{v.replace(os.sep, '_')}-{r}.json")
-            cmd, env = setting_command(args, flag, v, base, out)
+            cmd, env = setting_command(args, flag, served.get(v, v), base, out)
             print(f"[{r + 1}/{repeats}] --{flag} {v}", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode:
@@ -350,6 +353,31 @@ def compare(args, argv):
     write_json(os.path.join(args.out, "profile", f"compare_{flag}.json"),
                dict(flag=flag, runs=runs, medians=rows))
     return rows, "\n".join(text)
+
+
+@contextlib.contextmanager
+def loopback(args, flag, values):
+    """--compare data=FOLDER,loopback: FOLDER's shards served over HTTP on
+    127.0.0.1 while the settings run -> {"loopback": their URLs}."""
+    if flag != "data" or "loopback" not in values:
+        yield {}
+        return
+    import http.server
+    shards = data.resolve_shards(values[0], args.image_size)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+    handler = functools.partial(Quiet, directory=os.path.dirname(shards[0]))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        # the shards' names: a folder made before manifest.json named them
+        yield {"loopback": ",".join(base + os.path.basename(s) for s in shards)}
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- What a first read may skip: FLOPs, printing, suite, recipe ----
@@ -438,7 +466,9 @@ def ratio_table(args, flag, values, runs):
         eff = rows[v]["img_per_s"] / (int(v) * ref["img_per_s"]) * int(first)
         text.append(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {first}; "
                     f"communication {100 * comm:.1f}% of the step (vs DDP no_sync)")
-    for v in values[1:] if flag == "data" and args.mode == "full" else []:
+    # precomputed data: a gain the encoders' share predicts (not a loopback's)
+    precomputed = flag == "data" and args.mode == "full" and "loopback" not in values
+    for v in values[1:] if precomputed else []:
         # is all the gain the encoders' time?
         share = ref["encoders_ms"] / ref["step_ms"]
         text.append(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of "

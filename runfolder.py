@@ -27,7 +27,7 @@ import data
 import expert_parallel
 import flow
 import moe
-from data import append_json, atomic_write, read_json, write_json
+from data import append_json, atomic_write, write_json
 from engine import held_bytes, leave_distributed, optimizer_bytes
 from model import DiT, count_params
 
@@ -58,9 +58,11 @@ def open_folder(args):
                          "--resume, or pass another --out")
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
+    # what the run prints and saves (args.json, checkpoints): a URL's
+    # password and query token stay in the shards' addresses alone
+    args.data = data.masked(args.data)
     # by `data.py precompute`, or sample.py --pairs (reflow: flow.py)
-    folder = os.path.dirname(shards[0])
-    precomputed = read_json(os.path.join(folder, "precompute.json"))
+    precomputed = data.read_beside(shards[0], "precompute.json")
     if precomputed and precomputed.get("pairs") and not (args.init or args.resume):
         parent = precomputed["pairs"]
         raise SystemExit(f"{args.data} holds reflow pairs drawn from {parent}: train on "
@@ -244,9 +246,15 @@ def load_checkpoint(run, args):
     if resized:
         # split anew: the epoch restarts; the batch count (buckets' order) goes on
         old = data.Position(**ckpt["data"][0])
+        # every old rank's finished epochs' bad samples, counted once (the
+        # log sums the ranks')
+        before = sum(p["skipped_before"] for p in ckpt["data"]) if run.rank == 0 else 0
+        # and every old rank's remote shards reopened and given up
+        faults = {k: sum(p.get(k, 0) for p in ckpt["data"]) * (run.rank == 0)
+                  for k in ("retries", "unreachable")}
         run.position = data.Position(
             epoch=old.epoch, batches_before=old.batches_before + old.batch_in_epoch,
-            skipped_before=old.skipped_before, skipped=old.skipped_before)
+            skipped_before=before, skipped=before, **faults)
     else:
         run.position = data.Position(**ckpt["data"][run.rank])
     run.deepspeed_tag = tag
@@ -258,9 +266,10 @@ def load_checkpoint(run, args):
             g["lr"] = args.lr * run.sched.lr_lambdas[0](run.sched.last_epoch)
     # another stream: the saved position means nothing there
     if changed.keys() & set(DATA_FLAGS) and not resized:
-        skipped = run.position.skipped
+        old = run.position
         run.position = data.Position(
-            epoch=run.position.epoch + 1, skipped_before=skipped, skipped=skipped)
+            epoch=old.epoch + 1, skipped_before=old.skipped, skipped=old.skipped,
+            retries=old.retries, unreachable=old.unreachable)
     return name, changed | ({"world": (saved_world, run.world)} if resized else {})
 
 
@@ -374,13 +383,15 @@ def log_step(run, args, out, signals, img_per_s, bar):
         dist.all_reduce(sums)
     loss_sum, balance_sum, stop = sums.float().tolist()
     total, in_a_row, longest = (int(run.bad_steps[k]) for k in ("total", "in_a_row", "longest"))
+    skipped = skipped_on_all_ranks(run)
+    retries, unreachable = shard_faults_on_all_ranks(run)
     if run.rank == 0:
         record = dict(
             step=run.step, loss=loss_sum / run.world,
             loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
             lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(),
-            img_per_s=img_per_s, skipped=run.position.skipped,
-            epoch=run.position.epoch, bad_steps=total)
+            img_per_s=img_per_s, skipped=skipped, retries=retries,
+            unreachable_shards=unreachable, epoch=run.position.epoch, bad_steps=total)
         # this step's update was skipped
         if in_a_row:
             record["bad_step"] = True
@@ -396,6 +407,24 @@ def log_step(run, args, out, signals, img_per_s, bar):
                f"{CKPT} at step {run.ckpt_step}: check the data, or resume from it with "
                "a lower --lr (--override lr)")
     return stop > 0
+
+
+def skipped_on_all_ranks(run):
+    """All ranks: the bad samples skipped so far, summed over the ranks
+    (each reads its own shards)."""
+    skipped = torch.tensor(run.position.skipped, device=run.dev)
+    if run.world > 1:
+        dist.all_reduce(skipped)
+    return int(skipped)
+
+
+def shard_faults_on_all_ranks(run):
+    """All ranks: remote shards reopened after a fault, and given up, so
+    far, summed over the ranks -> (retries, unreachable)."""
+    faults = torch.tensor([run.position.retries, run.position.unreachable], device=run.dev)
+    if run.world > 1:
+        dist.all_reduce(faults)
+    return faults.tolist()
 
 
 # ---- Stop signals and exits ----

@@ -45,7 +45,8 @@ def get_parser():
       "pairs into folder --out, for train.py --data OUT --init CKPT; rerun to resume")
     a("--eval", action="store_true", help="score held-out prompts; last line: JSON")
     a("--eval-n", type=int, default=2, help="--eval: samples per prompt or name")
-    a("--real", help="--eval: raw {jpg|png, txt} shards: FID and IS of their captions' samples")
+    a("--real", help="--eval: raw {jpg|png, txt} shards (as train.py's --data: a folder, a URL, "
+      "pipe:...): FID and IS of their captions' samples")
     a("--real-n", type=int, default=1000, help="--real: images (and samples); compare at one n")
     a("--features", default="inception", help="--real: 'inception' (torch-fidelity) or a "
       "TorchScript file: uint8 (N,3,H,W) -> features or (features, logits)")
@@ -275,7 +276,7 @@ def main(argv=None):
         scores.update(evaluate.fid_is(real, fake, nets, args.batch), n_real=len(real))
         print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- "
               f"{scores['inception_score_std']:.2f}: {len(real)} real images of "
-              f"{args.real} and as many samples of their captions ({args.features})")
+              f"{data.masked(args.real)} and as many samples of their captions ({args.features})")
     # CLIPScore of the samples above, else of --prompt's
     if args.clip_model:
         if fake is None and not args.prompt:

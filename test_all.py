@@ -13,10 +13,12 @@ test that needs Slurm or the emoji font fails where it is missing instead of ski
 """
 
 import argparse
+import base64
 import collections
 import contextlib
 import copy
 import dataclasses
+import http.server
 import importlib.util
 import io
 import itertools
@@ -527,29 +529,33 @@ def test_flow_endpoints_and_target_sign():
     assert flow.flow_loss(wrong, x0, None, None, t, eps)[0].item() > 1.0
 
 
-def test_contrastive_flow_matching_subtracts_lambda_times_the_error_against_the_previous_samples_target():  # noqa: E501
-    x0, eps, v = (
-        torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8),
-        torch.randn(4, 3, 8, 8, requires_grad=True),
-    )
+def test_contrastive_flow_matching_subtracts_lambda_times_the_error_against_the_neighbours_target(
+    capsys
+):
+    x0, eps = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)
+    v = torch.randn(4, 3, 8, 8, requires_grad=True)
     t, a = flow.sample_t(4), eps - x0
     loss, per = flow.flow_loss(lambda *_: v, x0, None, None, t, eps, contrast=0.05)
     plain = ((v - a) ** 2).mean(dim=(1, 2, 3))
     # the logged per-sample loss is the plain one
     assert torch.allclose(per, plain)
-    # sample i is pushed from sample i-1's target
-    other = ((v - a[[3, 0, 1, 2]]) ** 2).mean()
+    # samples 0 and 1, 2 and 3 push each other away: pairs no even cut splits
+    other = ((v - a[[1, 0, 3, 2]]) ** 2).mean()
     assert torch.allclose(loss, plain.mean() - 0.05 * other)
-    # the identity of the docstring: its minimum is at (a -
-    # lambda b) / (1 - lambda), b the other sample's target
-    best = (a - 0.05 * a[[3, 0, 1, 2]]) / 0.95
+    # the docstring's identity: the minimum is at (a - lambda b) / (1 - lambda)
+    best = (a - 0.05 * a[[1, 0, 3, 2]]) / 0.95
     (grad,) = torch.autograd.grad(
-        flow.flow_loss(lambda *_: best.requires_grad_(), x0, None, None, t, eps, 0.05)[0], best
-    )
+        flow.flow_loss(lambda *_: best.requires_grad_(), x0, None, None, t, eps, 0.05)[0], best)
     assert grad.abs().max() < 1e-6
-    assert flow.flow_loss(lambda *_: v, x0, None, None, t, eps)[0].item() == pytest.approx(
-        plain.mean().item()
-    )
+    plain_loss = flow.flow_loss(lambda *_: v, x0, None, None, t, eps)[0]
+    assert plain_loss.item() == pytest.approx(plain.mean().item())
+    # an odd batch holds a sample with no neighbour: refused, naming the fix
+    with pytest.raises(ValueError, match="even --batch-size"):
+        flow.flow_loss(lambda *_: v[:3], x0[:3], None, None, t[:3], eps[:3], 0.05)
+    with pytest.raises(SystemExit):
+        train.get_args(["--contrast", "0.05", "--batch-size", "7"])
+    assert "--batch-size 7 is odd; use 8" in capsys.readouterr().err
+
 
 
 def test_loss_per_bin_averages_each_quarter_of_t_and_leaves_an_empty_one_none():
@@ -1932,6 +1938,207 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
         assert img.shape == (16, 16, 3) and img[0, 0].min() > 220
 
 
+
+# -----------------------------------------------------------------------------------------------
+# data.py over a network: a real HTTP server on 127.0.0.1, started by each test and stopped after
+# -----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def shard_server(folder, cut=(), cut_on=(1,), missing=(), password=None):
+    """Serve `folder` over HTTP on 127.0.0.1 (a port the OS picks), in a thread, until the block
+    ends -> (its base URL, a Counter of the requests for each file name). cut: names whose
+    responses to the cut_on'th requests (from 1) send half the bytes their Content-Length
+    promises, then close the socket; missing: names answered 404; password: 'user:password' that
+    Basic authorization must carry."""
+    requests = collections.Counter()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.partition("?")[0].lstrip("/")
+            requests[name] += 1
+            if password and self.headers.get("Authorization") != (
+                "Basic " + base64.b64encode(password.encode()).decode()
+            ):
+                return self.send_error(401)
+            path = os.path.join(folder, name)
+            if name in missing or not os.path.isfile(path):
+                return self.send_error(404)
+            with open(path, "rb") as f:
+                body = f.read()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            # a cut connection: the socket closes part-way through the shard
+            cut_now = name in cut and requests[name] in cut_on
+            self.wfile.write(body[: len(body) // 2] if cut_now else body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+# 2 shards x 16 samples: 2 batches of 16 an epoch, so 3 steps cross into epoch 1
+REMOTE_RUN = TINY + ["--image-size", "16", "--steps", "3", "--ckpt-every", "1", "--lr", "3e-3"]
+
+
+def logged(out):
+    return [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """REMOTE_RUN on a local folder of 2 built-in shards -> (folder, run folder): what every run
+    over the network must log, bit for bit."""
+    tmp = tmp_path_factory.mktemp("local")
+    folder = str(tmp / "shards")
+    data.make_builtin(folder, size=16, n_shards=2, per_shard=16)
+    train.main(REMOTE_RUN + ["--data", folder, "--out", str(tmp / "run")])
+    return folder, str(tmp / "run")
+
+
+@pytest.mark.xdist_group("local_run")
+def test_a_folder_url_and_a_pipe_command_train_on_the_local_runs_losses(local_run, tmp_path):
+    folder, local = local_run
+    # manifest.json names the shards: the folder URL finds them there
+    names = [s["name"] for s in data.read_json(os.path.join(folder, "manifest.json"))["shards"]]
+    assert names == ["shapes-0000.tar", "shapes-0001.tar"]
+    with shard_server(folder) as (url, requests):
+        train.main(REMOTE_RUN + ["--data", url, "--out", str(tmp_path / "url")])
+    # each shard was downloaded (2 epochs), never read from the disk behind the server's back
+    assert requests["manifest.json"] >= 1 and requests["shapes-0000.tar"] == 2
+    # a store's client: pipe:cat stands in for aws s3 cp ... -
+    pipe = f"pipe:cat {folder}/shapes-{{0000..0001}}.tar"
+    train.main(REMOTE_RUN + ["--data", pipe, "--out", str(tmp_path / "pipe")])
+    want = [r["loss"] for r in logged(local)]
+    for run in ("url", "pipe"):
+        assert [r["loss"] for r in logged(tmp_path / run)] == want, run
+        assert logged(tmp_path / run)[-1]["retries"] == 0
+
+
+@pytest.mark.xdist_group("local_run")
+def test_a_connection_cut_part_way_through_each_shard_is_retried_past_the_samples_read(
+    local_run, tmp_path, monkeypatch
+):
+    folder, local = local_run
+    monkeypatch.setattr(data, "BACKOFF", 0.01)
+    # the server closes each shard's first response half-way through its bytes
+    cut = ("shapes-0000.tar", "shapes-0001.tar")
+    with shard_server(folder, cut=cut) as (url, requests), pytest.warns(
+        UserWarning, match="retry 1 of 3"
+    ):
+        pattern = url + "shapes-{0000..0001}.tar"
+        train.main(REMOTE_RUN + ["--data", pattern, "--out", str(tmp_path / "cut")])
+    log = logged(tmp_path / "cut")
+    assert [r["loss"] for r in log] == [r["loss"] for r in logged(local)]
+    assert log[-1]["retries"] == 2 and log[-1]["unreachable_shards"] == 0
+    # epoch 0: cut, reopened; epoch 1: whole
+    assert requests["shapes-0000.tar"] == requests["shapes-0001.tar"] == 3
+    # a client exiting non-zero part-way (its first time) is retried the same way
+    shard = os.path.join(folder, "shapes-0000.tar")
+    half, mark = os.path.getsize(shard) // 2, tmp_path / "failed-once"
+    failing = (
+        f"pipe:if [ -e {mark} ]; then cat {shard}; else touch {mark}; head -c {half} {shard}; "
+        "exit 3; fi"
+    )
+    faults = data.Faults()
+    with pytest.warns(UserWarning, match="status 3"):
+        got = list(data.read_tars([failing], retries=1, faults=faults))
+    def without_url(samples):
+        return [{k: v for k, v in s.items() if k != "__url__"} for s in samples]
+    assert without_url(got) == without_url(data.read_tars([shard])) and faults.retries == 1
+
+
+@pytest.mark.xdist_group("local_run")
+def test_a_missing_shard_is_skipped_and_counted_and_no_shard_at_all_is_a_clear_error(
+    local_run, tmp_path, monkeypatch
+):
+    folder, _ = local_run
+    monkeypatch.setattr(data, "BACKOFF", 0.01)
+    with shard_server(folder, missing=("shapes-0001.tar",)) as (url, requests):
+        with pytest.warns(UserWarning, match="unreachable shard .*shapes-0001.tar.*404"):
+            # epoch 0: the other shard's 16 samples, 1 batch
+            train.main(REMOTE_RUN + ["--data", url, "--steps", "1", "--out", str(tmp_path / "a")])
+        # 404: not there, never retried
+        assert requests["shapes-0001.tar"] == 1
+        log = logged(tmp_path / "a")
+        assert [(r["unreachable_shards"], r["retries"]) for r in log] == [(1, 0)]
+        pattern = url + "nothing-{0..1}.tar"
+        with pytest.raises(SystemExit, match="no shard of rank 0 could be read") as stop:
+            train.main(REMOTE_RUN + ["--data", pattern, "--out", str(tmp_path / "b")])
+        assert re.search(re.escape(url) + r"nothing-[01]\.tar: HTTP Error 404", str(stop.value))
+        with pytest.raises(SystemExit, match=f"{url}elsewhere/: no manifest.json there"):
+            train.main(REMOTE_RUN + ["--data", url + "elsewhere/", "--out", str(tmp_path / "c")])
+
+
+@pytest.mark.xdist_group("local_run")
+def test_a_stop_and_resume_mid_epoch_on_remote_data_ends_where_the_local_run_does(
+    local_run, tmp_path, monkeypatch
+):
+    folder, local = local_run
+    monkeypatch.setattr(data, "BACKOFF", 0.01)
+    # each shard's reading in epoch 0 is cut: the first run's (request 1), and the resumed
+    # run's re-reading up to its checkpoint (request 3)
+    cut = ("shapes-0000.tar", "shapes-0001.tar")
+    with shard_server(folder, cut=cut, cut_on=(1, 3)) as (url, requests):
+        # a checkpoint after step 1 of the 2-batch epoch 0; the run dies in step 2 and resumes
+        crash_then_resume(monkeypatch, REMOTE_RUN + ["--data", url, "--out", str(tmp_path)], 1)
+    assert requests["shapes-0000.tar"] == requests["shapes-0001.tar"] == 5
+    assert logged(tmp_path)[-1]["retries"] == 4
+
+    def without_faults(ckpt):
+        position = dict(ckpt["data"][0], retries=0)
+        position["workers"] = {w: dict(r, retries=0) for w, r in position["workers"].items()}
+        return dict(ckpt, data=[position])
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    want = torch.load(os.path.join(local, "ckpt.pt"), weights_only=True)
+    assert_same_run(without_faults(ckpt), without_faults(want))
+
+
+@pytest.mark.xdist_group("local_run")
+def test_a_urls_password_and_query_token_are_masked_in_all_the_run_prints_and_saves(
+    local_run, tmp_path, capfd
+):
+    folder, _ = local_run
+    with shard_server(folder, password="ann:s3cret") as (url, requests):
+        # the server refuses a request without them: the run read its data with them
+        secret = url.replace("http://", "http://ann:s3cret@") + "?token=t0k3n"
+        train.main(REMOTE_RUN + ["--data", secret, "--steps", "1", "--out", str(tmp_path)])
+        assert requests["shapes-0000.tar"] == 1
+        # a resume compares the masked flags: the same URL resumes
+        flags = REMOTE_RUN + ["--data", secret, "--steps", "2", "--out", str(tmp_path)]
+        train.main(flags + ["--resume", "--override", "steps"])
+    said = capfd.readouterr()
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 2
+    assert ckpt["args"]["data"] == url.replace("http://", "http://ann:***@") + "?token=***"
+    saved = [open(tmp_path / f, "rb").read() for f in ("args.json", "log.jsonl", "ckpt.pt")]
+    for text in (said.out, said.err, *saved):
+        text = text if isinstance(text, bytes) else text.encode()
+        assert b"s3cret" not in text and b"t0k3n" not in text
+
+
+@pytest.mark.xdist_group("local_run")
+def test_profile_compare_over_data_serves_the_folders_shards_from_loopback(local_run):
+    folder, _ = local_run
+    prof = load_profile_py()
+    args = prof.get_args(["--data", folder, "--image-size", "16"])
+    with prof.loopback(args, "data", [folder, "loopback"]) as served:
+        urls = data.resolve_shards(served["loopback"], 16)
+        assert [u.split("/")[-1] for u in urls] == ["shapes-0000.tar", "shapes-0001.tar"]
+        over_http = [s["__key__"] for s in data.read_tars(urls)]
+    assert over_http == [s["__key__"] for s in data.read_tars(data.resolve_shards(folder, 16))]
+    with prof.loopback(args, "moe", ["0", "8"]) as served:
+        assert served == {}
+
+
 # -----------------------------------------------------------------------------------------------
 # train.py: flags, schedule, AdamW, the step, what a short run learns, --init, reflow
 # -----------------------------------------------------------------------------------------------
@@ -3163,6 +3370,288 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
         "--out", str(tmp / "g.png"),
     ])
     assert Image.open(tmp / "g.png").size == (16 * 2, 16 * 2)
+
+
+
+# -----------------------------------------------------------------------------------------------
+# Ranks whose data differ: split-independence (--contrast too), skip counts,
+# positions, --ep with --ema and bias, DeepSpeed's bad step, FSDP's fp32 reduction,
+# --override lr
+# -----------------------------------------------------------------------------------------------
+def global_stream(n_samples, seed=0):
+    """A stand-in for data.batches: one fixed sequence of differing samples
+    (random pictures, a caption each), of which rank r of W takes rows
+    (n W + r) B to (n W + r + 1) B as its n-th batch of B. So 1 process x 16,
+    1 x 2 micro-batches x 8 and 2 ranks x 8 read the same global batches."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.rand(n_samples, 3, 16, 16, generator=g) * 2 - 1
+    captions = [f"a picture numbered {i}" for i in range(n_samples)]
+
+    def batches(shards, batch_size, size, seed, rank, world, *workers_position_retries):
+        for n in range(n_samples // (batch_size * world)):
+            rows = slice((n * world + rank) * batch_size, (n * world + rank + 1) * batch_size)
+            yield dict(image=images[rows], caption=captions[rows])
+    return batches
+
+
+def test_contrastive_flow_matching_trains_the_same_however_the_global_batch_is_split(
+    tmp_path, builtin16, monkeypatch
+):
+    """--contrast on samples that differ: 1 process x 16, 1 x 2 micro-batches
+    x 8 and 2 ranks x 8 log the same gradient norms and train the same
+    weights, to float rounding. Pairing each sample with the previous one of
+    its own micro-batch (roll) fails: the cuts change the pairs."""
+    monkeypatch.setattr(data, "batches", global_stream(2 * 16))
+    flags = TINY + [
+        "--data", ",".join(builtin16), "--image-size", "16", "--steps", "2",
+        "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3", "--contrast", "0.5",
+        "--sample-steps", "1"]
+    train.main(flags + ["--out", str(tmp_path / "one")])
+    small = flags + ["--batch-size", "8"]
+    train.main(small + ["--grad-accum", "2", "--out", str(tmp_path / "accum")])
+    said = ranks(small + ["--dist", "ddp", "--out", str(tmp_path / "ddp")])
+    assert "2 ranks x 8 = global batch 16" in said
+    runs = ("one", "accum", "ddp")
+    ckpt = {r: torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in runs}
+    logs = {r: [json.loads(line) for line in open(tmp_path / r / "log.jsonl")
+                if '"loss"' in line] for r in runs}
+    for r in ("accum", "ddp"):
+        # the gradient of the contrastive loss, before the clip
+        for a, b in zip(logs["one"], logs[r], strict=True):
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (r, a, b)
+        for name, want in ckpt["one"]["model"].items():
+            got = ckpt[r]["model"][name]
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), (r, name)
+
+
+@pytest.fixture(scope="module")
+def uneven_ranks(tmp_path_factory):
+    """2 ranks (DDP) on differing pictures of 2 aspect ratios, where every
+    5th sample of rank 1's shards (epoch 0) is not an image, so the ranks
+    stand in different places: 4 steps checkpointed at 2 ("full"), and that
+    run resumed from its step-2 checkpoint ("again") -> (tmp, what each
+    said, their flags)."""
+    tmp = tmp_path_factory.mktemp("uneven_ranks")
+    folder, sizes = tmp / "shards", ((16, 16), (24, 12))
+    paths = [str(folder / f"s{k}.tar") for k in range(4)]
+    rank1 = data.worker_shards(paths, 0, 0, 1, 2, 0, 1)
+    os.makedirs(folder)
+    for k, path in enumerate(paths):
+        samples = []
+        for i in range(24):
+            w, h = sizes[i % 2]
+            bad = path in rank1 and i % 5 == 2
+            picture = b"broken" if bad else png((10 * i, 40 * k, 90), (w, h))
+            samples.append({"__key__": f"{k}-{i}", "png": picture, "txt": f"{w}x{h} {k}-{i}"})
+        write_shard(path, samples)
+    data.write_json(str(folder / "manifest.json"), dict(buckets={"16x16": 48, "24x12": 48}))
+    flags = TINY + [
+        "--data", str(folder), "--image-size", "16", "--batch-size", "4",
+        "--steps", "4", "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
+        "--sample-steps", "1", "--dist", "ddp"]
+    said = dict(full=ranks(flags + ["--out", str(tmp / "full")]))
+    os.makedirs(tmp / "again")
+    shutil.copy(tmp / "full" / "ckpt.prev.pt", tmp / "again" / "ckpt.pt")
+    said["again"] = ranks(flags + ["--out", str(tmp / "again"), "--resume"])
+    return tmp, said, flags
+
+
+@pytest.mark.xdist_group("uneven_ranks")
+def test_bad_samples_on_one_rank_are_logged_and_printed_summed_over_the_ranks(uneven_ranks):
+    tmp, said, _ = uneven_ranks
+    # each rank's own count, as its checkpointed data position holds it
+    counts = {
+        step: [p["skipped"] for p in torch.load(tmp / "full" / name, weights_only=True)["data"]]
+        for step, name in ((2, "ckpt.prev.pt"), (4, "ckpt.pt"))}
+    assert counts[4][0] == 0 < counts[4][1], counts
+    logged = {
+        run: {r["step"]: r["skipped"] for r in map(json.loads, open(tmp / run / "log.jsonl"))
+              if "loss" in r} for run in ("full", "again")}
+    assert logged["again"].keys() == {3, 4}
+    assert logged["full"][2] == sum(counts[2]), (logged, counts)
+    for run in ("full", "again"):
+        assert logged[run][4] == sum(counts[4]), (run, logged, counts)
+        assert f"skipped samples: {sum(counts[4])} |" in said[run], said[run][-2000:]
+
+
+@pytest.mark.xdist_group("uneven_ranks")
+def test_a_resume_on_one_rank_keeps_the_bad_samples_every_rank_counted_in_its_finished_epochs(
+    uneven_ranks
+):
+    """The 2-rank checkpoint, its ranks said to have skipped 3 and 5 bad
+    samples in finished epochs, resumed on 1 process (--override world): the
+    epoch it was in starts again, and the count goes on from 3 + 5."""
+    tmp, _, flags = uneven_ranks
+    ckpt = torch.load(tmp / "full" / "ckpt.pt", weights_only=True)
+    for position, before in zip(ckpt["data"], (3, 5)):
+        position.update(skipped_before=before, skipped=position["skipped"] + before)
+    os.makedirs(tmp / "resized")
+    torch.save(ckpt, tmp / "resized" / "ckpt.pt")
+    run = train.main(flags[:flags.index("--dist")] + [
+        "--steps", "5", "--override", "steps,world", "--out", str(tmp / "resized"), "--resume"])
+    assert run.step == 5 and run.position.epoch == ckpt["data"][0]["epoch"]
+    assert run.position.skipped_before == 3 + 5, run.position
+
+
+@pytest.mark.xdist_group("uneven_ranks")
+def test_a_resume_where_the_ranks_stand_in_different_places_ends_where_the_uninterrupted_run_does(
+    uneven_ranks
+):
+    tmp, said, _ = uneven_ranks
+    saved = torch.load(tmp / "full" / "ckpt.prev.pt", weights_only=True)
+    # at step 2 the ranks had read, pooled and skipped different samples
+    assert saved["step"] == 2 and saved["data"][0]["workers"] != saved["data"][1]["workers"]
+    assert f"resumed from {tmp / 'again'}/ckpt.pt at step 2" in said["again"]
+    assert "parameters identical on all 2 ranks: True" in said["again"]
+    # the same weights, bit for bit, and each rank's position
+    again, full = (torch.load(tmp / r / "ckpt.pt", weights_only=True) for r in ("again", "full"))
+    assert_same_run(again, full)
+
+
+def test_expert_parallel_with_ema_and_bias_balancing_on_2_and_4_ranks_equals_one_process(
+    tmp_path, builtin16, monkeypatch
+):
+    """--moe 4 --ema --balance bias on samples that differ, a global batch
+    of 8: one process; --ep 2 on 2 ranks; --ep 2 on 4 ranks (two groups, each
+    expert held twice). The weights, the EMA and the routing biases agree:
+    an expert's gradient sums its copies, the loads that nudge the biases
+    are the global batch's, the EMA of each held expert moves as its
+    weights do."""
+    monkeypatch.setattr(data, "batches", global_stream(4 * 8))
+    flags = TINY + [
+        "--data", ",".join(builtin16), "--image-size", "16", "--steps", "4",
+        "--moe", "4", "--balance", "bias", "--bias-rate", "0.01", "--ema", "0.9",
+        "--lr", "2e-3", "--warmup", "2", "--sample-steps", "1"]
+    train.main(flags + ["--batch-size", "8", "--out", str(tmp_path / "one")])
+    ep = flags + ["--dist", "ddp", "--ep", "2"]
+    said = {n: ranks(ep + ["--batch-size", str(8 // n), "--out", str(tmp_path / f"ep{n}")], n)
+            for n in (2, 4)}
+    assert "4 ranks x 2 = global batch 8" in said[4]
+    assert "parameters identical on all 4 ranks: True" in said[4]
+    one, *eps = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True)
+                 for r in ("one", "ep2", "ep4"))
+    biases = [k for k in one["model"] if k.endswith("mlp.bias")]
+    assert biases and any(one["ema"][k].any() for k in biases), "the biases moved"
+    for part in ("model", "ema"):
+        for name, want in one[part].items():
+            for n, got in zip((2, 4), eps):
+                assert torch.allclose(got[part][name], want, atol=1e-5, rtol=1e-4), (
+                    n, part, name)
+
+
+def spy_on_step(monkeypatch, folder, checked):
+    """From here on (in forked ranks too) training step `checked` writes to
+    folder/moved<rank>.json whether it was a bad step and what it changed:
+    the names of the weights, EMA weights and AdamW moments (this rank's, a
+    partition under ZeRO-2) that are not what they were before it."""
+    real = train.train_step
+
+    def held(run):
+        moments = {f"opt.{i}.{k}": v for i, st in enumerate(run.opt.state.values())
+                   for k, v in st.items() if torch.is_tensor(v) and k != "step"}
+        weights = {f"{part}.{k}": v for part in ("model", "ema")
+                   for k, v in getattr(run, part).state_dict().items()}
+        return {k: v.detach().clone() for k, v in (weights | moments).items()}
+
+    def step(run, *a, **k):
+        if run.step + 1 != checked:
+            return real(run, *a, **k)
+        before = held(run)
+        out = real(run, *a, **k)
+        after = held(run)
+        moved = [k for k, v in before.items() if not torch.equal(v, after[k])]
+        moments = sum(k.startswith("opt.") for k in after)
+        with open(os.path.join(folder, f"moved{run.rank}.json"), "w") as f:
+            json.dump(dict(bad=bool(out["bad_step"]), moved=moved, moments=moments), f)
+        return out
+
+    monkeypatch.setattr(train, "train_step", step)
+
+
+@pytest.mark.xdist_group("ranks")
+def test_deepspeed_skips_a_non_finite_step_as_the_other_engines_do(
+    tmp_path, builtin16, monkeypatch
+):
+    """ZeRO-2 on 2 ranks, --ema: an inf pixel in rank 1's 3rd batch. Step 3
+    changes no weight, no AdamW moment of either rank's partition and no EMA
+    weight; the run goes on and ends finite."""
+    real = train.encode_batch
+
+    def poisoned(run, batch):
+        x0, text, mask, noise = real(run, batch)
+        if run.rank == 1 and run.step == 2:
+            x0 = x0.clone()
+            x0[0, 0, 0, 0] = float("inf")
+        return x0, text, mask, noise
+
+    monkeypatch.setattr(train, "encode_batch", poisoned)
+    spy_on_step(monkeypatch, tmp_path, checked=3)
+    out = tmp_path / "run"
+    ranks(TINY + [
+        "--data", ",".join(builtin16), "--image-size", "16", "--steps", "4",
+        "--batch-size", "8", "--workers", "1", "--ema", "0.9", "--lr", "2e-3",
+        "--warmup", "2", "--sample-steps", "1", "--dist", "deepspeed", "--out", str(out)])
+    for rank in (0, 1):
+        seen = json.load(open(tmp_path / f"moved{rank}.json"))
+        # weights, EMA and the moments of this rank's partition: none moved
+        assert seen["bad"] and seen["moments"] > 0 and seen["moved"] == [], (rank, seen)
+    recs = [json.loads(line) for line in open(out / "log.jsonl") if '"loss"' in line]
+    assert [r["step"] for r in recs if r.get("bad_step")] == [3], recs
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 4
+    assert all(v.isfinite().all() for k in ("model", "ema") for v in ckpt[k].values())
+
+
+def fsdp_bf16_reduction_worker(rank, world=2):
+    """One of 2 gloo ranks: a DiT under FSDP with --precision bf16's policy;
+    every reduce-scatter of the backward, the blocks' (computed in bf16)
+    and the root's, sums fp32 gradients into fp32 shards."""
+    torch.set_num_threads(1)
+    model, (x, t, text, mask) = randomize(tiny_model()), toy_inputs(B=2 * world)
+    engine.FSDPEngine.shard([model], "cpu", bf16=True)
+    seen, real = [], torch.distributed.reduce_scatter_single
+
+    def reduce_scatter(output, input, *a, **k):
+        seen.append((input.dtype, output.dtype))
+        return real(output, input, *a, **k)
+
+    torch.distributed.reduce_scatter_single = reduce_scatter
+    try:
+        mine = slice(2 * rank, 2 * rank + 2)
+        model(x[mine], t[mine], text[mine], mask[mine]).square().mean().backward()
+    finally:
+        torch.distributed.reduce_scatter_single = real
+    # one a block, one for the root's own weights
+    assert len(seen) == len(model.blocks) + 1, seen
+    assert set(seen) == {(torch.float32, torch.float32)}, seen
+
+
+def test_fsdp_bf16_reduce_scatters_its_gradients_in_fp32():
+    worker_ranks(fsdp_bf16_reduction_worker, 2)
+
+
+def test_the_first_step_after_override_lr_runs_at_the_new_schedules_lr(
+    tmp_path, builtin16, monkeypatch
+):
+    """4 steps at --lr 2e-3 (warm-up 2, then a cosine), resumed from step 2
+    with --lr 1e-3 --override lr: steps 3 and 4 run at 1e-3 times the
+    schedule's factors there, 1 and 1/2; the uninterrupted run at 2e-3
+    times 1/2, 1, 1, 1/2. (The lr read is the one AdamW gets: the optimizer's
+    as the engine's step calls it.)"""
+    used, real = [], engine.Engine.step
+    monkeypatch.setattr(engine.Engine, "step", lambda self, loss: used.append(
+        self.opt.param_groups[0]["lr"]) or real(self, loss))
+    flags = TINY + [
+        "--data", ",".join(builtin16), "--image-size", "16", "--steps", "4",
+        "--warmup", "2", "--ckpt-every", "2", "--sample-steps", "1"]
+    train.main(flags + ["--lr", "2e-3", "--out", str(tmp_path / "run")])
+    assert used == pytest.approx([1e-3, 2e-3, 2e-3, 1e-3], rel=1e-12)
+    os.makedirs(tmp_path / "again")
+    shutil.copy(tmp_path / "run" / "ckpt.prev.pt", tmp_path / "again" / "ckpt.pt")
+    used.clear()
+    train.main(flags + ["--lr", "1e-3", "--override", "lr", "--out", str(tmp_path / "again"),
+                        "--resume"])
+    assert used == pytest.approx([1e-3, 0.5e-3], rel=1e-12)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -39,7 +39,9 @@ def get_parser():
     add = p.add_argument
     # data, encoders
     add("--data", default=data.BUILTIN,
-        help="shards (a folder or a.tar,b.tar), 'builtin' or 'builtin-mixed' (5 aspects)")
+        help="shards (a folder or a.tar,b.tar; a folder URL https://host/x/, a brace pattern "
+        "https://host/x/shard-{00000..00099}.tar, gs://..., or a store's client 'pipe:aws s3 cp "
+        "s3://bucket/x/shard-{00000..00099}.tar -'), 'builtin' or 'builtin-mixed' (5 aspects)")
     add("--init", help="start from a checkpoint's (EMA) weights: the same model's "
         "(reflow), or a dense one's for --moe (upcycling)")
     add("--text-encoder", default="minilm",
@@ -97,6 +99,10 @@ def get_parser():
     add("--seed", type=int, default=0, help="seed of data order, noise, t, caption drop")
     add("--workers", type=int, help="loader processes (default: 0 on a CPU, else a share of the "
         "cores, up to 8; a resume keeps its own)")
+    add("--retries", type=int, default=data.RETRIES,
+        help="a remote shard that fails part-way (a cut connection, a timeout, its client "
+        "exiting non-zero) is reopened this many times, with backoff, past the samples read; "
+        "then skipped")
     # the run folder
     add("--out", default="out/run", help="run folder: checkpoints, logs, samples/")
     add("--resume", action="store_true",
@@ -145,6 +151,10 @@ def get_args(argv=None, parser=None):
         p.error(f"--init {args.init}: no such checkpoint (e.g. out/run/ckpt.pt)")
     if args.grad_accum < 1 or not 0 <= args.cfg_drop <= 1:
         p.error("--grad-accum must be at least 1 and --cfg-drop in [0, 1]")
+    # pairs 2k, 2k + 1 (flow.flow_loss): an even micro-batch holds whole pairs
+    if args.contrast and args.batch_size % 2:
+        p.error(f"--contrast pairs neighbouring samples: --batch-size {args.batch_size} "
+                f"is odd; use {args.batch_size + 1}")
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: "
                 f"torchrun --nproc_per_node N train.py --dist {args.dist} ...")
@@ -360,7 +370,7 @@ def train_loop(args, run, signals):
     # it advances run.position, and ends where a rank has no batch
     stream = data.batches(
         run.shards, args.batch_size, run.buckets or args.image_size,
-        args.seed, run.rank, run.world, args.workers, run.position)
+        args.seed, run.rank, run.world, args.workers, run.position, args.retries)
     # A signal raised in the loader could leave a lock held or the data
     # position half-updated: a first one waits for the step's end.
     signals.defer = True
@@ -486,8 +496,9 @@ def final_evaluation(args, run, signals):
         return 1
     # the checkpoint is written: a signal now just ends the evaluation
     signals.defer = False
+    skipped = runfolder.skipped_on_all_ranks(run)
     if run.rank == 0:
-        print(f"skipped samples: {run.position.skipped} | "
+        print(f"skipped samples: {skipped} | "
               f"skipped non-finite steps: {int(run.bad_steps['total'])}")
     scored = bool(args.eval_n and (run.has_judge or run.names))
     sample_grid(run, args, ema, final=scored)
