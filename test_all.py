@@ -3172,18 +3172,25 @@ def test_two_nodes_on_one_machine_train_as_one_node_of_two_ranks_and_one_nodes_s
             r["loss"] for r in map(json.loads, (tmp_path / run / "log.jsonl").open()) if "loss" in r
         ]
 
-    for how in ("ddp", "fsdp"):
-        with rendezvous() as (meeting, serve):
-            agents = on_two_nodes(tmp_path / how, flags + ["--dist", how], meeting)
-            serve()
-            said = [agent.communicate(timeout=300)[0] for agent in agents]
-        assert [agent.returncode for agent in agents] == [0, 0], said
-        # global rank 0 alone prints, logs and saves:
-        assert sum(s.count("model: ") for s in said) == 1, said
-        assert len(losses(how)) == 6  # one log line a step
-        # each rank read its own data
-        assert np.allclose(losses(how), losses("one_node"), rtol=1e-5), how
-        assert len(torch.load(tmp_path / how / "ckpt.pt", weights_only=True)["data"]) == 2
+    # FSDP's two nodes read the shards over HTTP from one server on 127.0.0.1
+    with shard_server(os.path.dirname(builtin16[0])) as (base, requests):
+        urls = ",".join(base + os.path.basename(s) for s in builtin16)
+        for how, data_flags in (("ddp", []), ("fsdp", ["--data", urls])):
+            with rendezvous() as (meeting, serve):
+                agents = on_two_nodes(
+                    tmp_path / how, flags + data_flags + ["--dist", how], meeting)
+                serve()
+                said = [agent.communicate(timeout=300)[0] for agent in agents]
+            assert [agent.returncode for agent in agents] == [0, 0], said
+            # global rank 0 alone prints, logs and saves:
+            assert sum(s.count("model: ") for s in said) == 1, said
+            assert len(losses(how)) == 6  # one log line a step
+            # each rank read its own data
+            assert np.allclose(losses(how), losses("one_node"), rtol=1e-5), how
+            assert len(torch.load(tmp_path / how / "ckpt.pt", weights_only=True)["data"]) == 2
+    # each node's rank fetched its own shard from it (6 steps of 8 read one a rank)
+    fetched = {name for name in requests if name.endswith(".tar")}
+    assert len(fetched) == 2 and fetched <= {os.path.basename(s) for s in builtin16}, requests
     # USR1 to one node's rank: both nodes stop. (Not to one agent: it would leave, and torchrun's
     # exit barrier keeps the other node's agent waiting 300 s for it. Slurm signals every node's.)
     out = tmp_path / "stopped"
