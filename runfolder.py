@@ -389,7 +389,7 @@ def log_step(run, args, out, signals, img_per_s, bar):
         record = dict(
             step=run.step, loss=loss_sum / run.world,
             loss_t_bins=flow.loss_per_bin(out["t"], out["per_sample"]),
-            lr=run.sched.get_last_lr()[0], grad_norm=out["grad_norm"].item(),
+            lr=out["lr"], grad_norm=out["grad_norm"].item(),
             img_per_s=img_per_s, skipped=skipped, retries=retries,
             unreachable_shards=unreachable, epoch=run.position.epoch, bad_steps=total)
         # this step's update was skipped

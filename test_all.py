@@ -3844,8 +3844,8 @@ def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkey
     resumes = [r["resume"] for r in log if "resume" in r]
     assert resumes == [{"step": 4, "checkpoint": "ckpt.pt", "changed": {"steps": [4, 8]}}]
     lr5 = next(r["lr"] for r in log if r.get("step") == 5 and "lr" in r)
-    # the new cosine, from step 4 on
-    assert abs(lr5 - 1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6))) < 1e-12
+    # the new cosine, from step 4 on: step 5 ran at its point 2 of 6
+    assert abs(lr5 - 1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 6))) < 1e-12
     assert json.load(open(os.path.join(out, "args.json")))["steps"] == 4  # the original flags
     # how it computes (--attn) may change without --override;
     # --override data reads the new data (a new epoch)

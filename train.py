@@ -318,6 +318,8 @@ def train_step(run, args, micro_batches, mark=None):
         t.append(t_all[rows])
         per_sample.append(per_sample_i.detach())
     # clip, update (not on a bad step), clear the gradients
+    # the lr AdamW runs this step at, for the log (the schedule moves on)
+    lr = run.opt.param_groups[0]["lr"]
     grad_norm, bad_step = run.engine.step(loss + balance)
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)
     run.sched.step()
@@ -336,7 +338,7 @@ def train_step(run, args, micro_batches, mark=None):
                 target.copy_(source)
     count_bad_step(run, bad_step)
     mark("optimizer")
-    return dict(loss=loss, balance=balance, t=torch.cat(t),
+    return dict(loss=loss, balance=balance, t=torch.cat(t), lr=lr,
                 per_sample=torch.cat(per_sample), grad_norm=grad_norm, bad_step=bad_step)
 
 
