@@ -39,11 +39,9 @@ def get_parser():
     add = p.add_argument
     # data, encoders
     add("--data", default=data.BUILTIN,
-        help="shards (a folder or a.tar,b.tar; a folder URL https://host/x/, a brace pattern "
-        "https://host/x/shard-{00000..00099}.tar, gs://..., or a store's client 'pipe:aws s3 cp "
-        "s3://bucket/x/shard-{00000..00099}.tar -'), 'builtin' or 'builtin-mixed' (5 aspects)")
-    add("--init", help="start from a checkpoint's (EMA) weights: the same model's "
-        "(reflow), or a dense one's for --moe (upcycling)")
+        help="shards: a folder, a.tar,b.tar, a folder URL (.../x/), a brace pattern "
+        "(.../shard-{000..099}.tar), gs://..., 'pipe:CMD'; or builtin, builtin-mixed")
+    add("--init", help="start from a checkpoint's (EMA) weights (reflow; a dense one's: upcycling)")
     add("--text-encoder", default="minilm",
         help="'minilm' (offline, pip) or a CLIP hub id or folder")
     add("--text-cache", type=int, default=100_000, help="captions whose states stay cached")
@@ -97,12 +95,10 @@ def get_parser():
     add("--dist", default="none", choices=["none", "ddp", "deepspeed", "fsdp"],
         help="under torchrun: DDP, DeepSpeed ZeRO-2, or FSDP2")
     add("--seed", type=int, default=0, help="seed of data order, noise, t, caption drop")
-    add("--workers", type=int, help="loader processes (default: 0 on a CPU, else a share of the "
-        "cores, up to 8; a resume keeps its own)")
+    add("--workers", type=int,
+        help="loader processes (default: 0 on a CPU, else <= 8; a resume keeps its own)")
     add("--retries", type=int, default=data.RETRIES,
-        help="a remote shard that fails part-way (a cut connection, a timeout, its client "
-        "exiting non-zero) is reopened this many times, with backoff, past the samples read; "
-        "then skipped")
+        help="reopenings of a remote shard cut part-way, before it is skipped")
     # the run folder
     add("--out", default="out/run", help="run folder: checkpoints, logs, samples/")
     add("--resume", action="store_true",
@@ -110,8 +106,7 @@ def get_parser():
     add("--auto-resume", action="store_true",
         help="resume if <out> holds a checkpoint (requeued jobs)")
     add("--override", action="append", default=[],
-        help="--resume: accept these changed flags (e.g. steps,lr; repeatable); 'world': "
-        "another number of ranks (--grad-accum keeps the global batch)")
+        help="--resume: accept these changed flags (e.g. steps,lr); 'world': another rank count")
     add("--max-bad-steps", type=int, default=10,
         help="stop after this many skipped (non-finite) steps in a row")
     add("--log-every", type=int, default=10,
@@ -151,7 +146,6 @@ def get_args(argv=None, parser=None):
         p.error(f"--init {args.init}: no such checkpoint (e.g. out/run/ckpt.pt)")
     if args.grad_accum < 1 or not 0 <= args.cfg_drop <= 1:
         p.error("--grad-accum must be at least 1 and --cfg-drop in [0, 1]")
-    # pairs 2k, 2k + 1 (flow.flow_loss): an even micro-batch holds whole pairs
     if args.contrast and args.batch_size % 2:
         p.error(f"--contrast pairs neighbouring samples: --batch-size {args.batch_size} "
                 f"is odd; use {args.batch_size + 1}")
@@ -318,7 +312,7 @@ def train_step(run, args, micro_batches, mark=None):
         t.append(t_all[rows])
         per_sample.append(per_sample_i.detach())
     # clip, update (not on a bad step), clear the gradients
-    # the lr AdamW runs this step at, for the log (the schedule moves on)
+    # for the log: this step's lr
     lr = run.opt.param_groups[0]["lr"]
     grad_norm, bad_step = run.engine.step(loss + balance)
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)
