@@ -1,6 +1,5 @@
 """data.py -- what the model eats: built-in shapes, images <-> tensors,
-WebDataset streaming (from disk, HTTP(S), gs:// or a store's client),
-files; the offline tools.
+WebDataset streaming (local or remote), files; the offline tools.
 
     python data.py shards SRC OUT --size 256   # captioned images -> shards
     python data.py emoji OUT                   # named pictures, offline
@@ -56,11 +55,11 @@ TEMPLATES = ["a {color} {shape} in the {pos}", "{color} {shape}, {pos}",
              "one {color} {shape} located in the {pos}", "a {shape} that is {color}, in the {pos}"]
 HELDOUT_TEMPLATES = ["there is a {color} {shape} in the {pos} of the image",
                      "{pos}: {color} {shape}"]
-# --data's default, made on first use in data/shapes<size>-v<VERSION>/
+# --data's default, made on first use
 BUILTIN = "builtin"
 # the scenes on canvases of `buckets`' aspect ratios
 MIXED = "builtin-mixed"
-# bumped when the generator changes, so stale shards are never reused
+# bumped with the generator: stale shards are never reused
 VERSION = 2
 
 
@@ -101,7 +100,7 @@ def heldout_prompts(n_each=1):
 
 def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0, mixed=False):
     """Write the built-in shards {__key__, png, txt, json}, once; `mixed`:
-    each on a random bucket's canvas (patch 4)."""
+    on random buckets' canvases (patch 4)."""
     if os.path.exists(os.path.join(root, "DONE")):
         return tars(root)
     tmp, counts = f"{root}.tmp{os.getpid()}", collections.Counter()
@@ -117,7 +116,7 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0, mixed=False
                 png = encoded(render(a["color"], a["shape"], a["position"], wh, rng), "PNG")
                 sink.write({"__key__": f"{shard:04d}{i:06d}", "png": png, "txt": text, "json": a})
                 counts["%dx%d" % wh] += mixed
-    # the names: a folder served over HTTP lists its shards here
+    # a served folder lists its shards here
     write_json(os.path.join(tmp, "manifest.json"), dict(
         buckets=+counts, shards=[dict(name=n, samples=per_shard) for n in names]))
     open(os.path.join(tmp, "DONE"), "w").close()
@@ -139,7 +138,7 @@ BACKGROUND = (255, 255, 255)
 
 
 def open_image(src):
-    """Path or bytes -> PIL image, decoded now: a corrupt file fails here."""
+    """Path or bytes -> PIL image, decoded: a corrupt file fails here."""
     img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
     img.load()
     return img
@@ -153,7 +152,7 @@ def encoded(img, fmt, **kw):
 
 
 def to_rgb(img):
-    """Any image as saved -> upright RGB: EXIF rotation applied (phones store
+    """Any image -> upright RGB: EXIF rotation applied (phones store
     portraits sideways), transparency onto BACKGROUND, 16 bits to 8."""
     img = ImageOps.exif_transpose(img)
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):
@@ -168,7 +167,7 @@ def to_rgb(img):
 
 def cover_crop(img, size):
     """to_rgb, resize (bicubic) to cover `size` (a side or (W, H)), crop the
-    centre: the one crop used everywhere."""
+    centre: the one crop everywhere."""
     img, (w, h) = to_rgb(img), (size, size) if isinstance(size, int) else size
     if img.size != (w, h):
         s = max(w / img.width, h / img.height)
@@ -186,7 +185,7 @@ def to_tensor(img, size):
 
 
 def as_uint8(x):
-    """Images in [-1, 1] -> uint8, as PNGs and feature networks take them."""
+    """Images in [-1, 1] -> uint8."""
     return ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
@@ -219,8 +218,8 @@ def nearest(sizes, w, h):
 
 
 def bucket_shares(shards, size, multiple):
-    """manifest.json's per-bucket counts -> {(W, H) of buckets(size,
-    multiple): samples}; None for square data."""
+    """manifest.json's bucket counts -> {(W, H) of buckets(size, multiple):
+    samples}; None for square data."""
     manifest = read_beside(shards[0], "manifest.json")
     counts = (manifest or {}).get("buckets") or {}
     shares = collections.Counter()
@@ -232,11 +231,11 @@ def bucket_shares(shards, size, multiple):
 # ---- Streaming: shards -> samples -> shuffle buffer -> batches ---------------
 # what read_tars downloads rather than opens
 REMOTE = ("http://", "https://", "gs://", "pipe:")
-# --retries' default: reopenings of a remote shard after a fault
+# --retries' default: reopenings of a failed remote shard
 RETRIES = 3
-# seconds before the first reopening; each next waits twice as long
+# seconds before the first reopening, doubled for each next
 BACKOFF = 1.0
-# seconds an HTTP connection may stay silent before it counts as cut
+# seconds of silence before an HTTP connection counts as cut
 TIMEOUT = 60
 
 
@@ -246,8 +245,7 @@ def tars(folder):
 
 
 def resolve_shards(data, image_size):
-    """--data -> sorted shards: paths, URLs or pipe: commands (the
-    built-in set made if missing)."""
+    """--data -> sorted shards: paths, URLs or pipe: commands."""
     if data in (BUILTIN, MIXED):
         name = f"shapes{image_size}{'-mixed' if data == MIXED else ''}-v{VERSION}"
         return make_builtin(os.path.join("data", name), size=image_size, mixed=data == MIXED)
@@ -265,24 +263,22 @@ def resolve_shards(data, image_size):
         raise SystemExit(f"--data: {masked(not_tar[0])} names no .tar; a folder URL ends in /")
     if not shards or not all(os.path.exists(s) for s in local):
         raise SystemExit(
-            f"--data {masked(data)!r}: no .tar shards found; pass a folder of shards, "
-            f"comma-separated .tar paths, a folder URL ending in / (http(s):// or gs://) whose "
-            f"manifest.json names its shards, a brace pattern such as "
-            f"https://host/x/shard-{{00000..00099}}.tar, a store's client as "
-            f"'pipe:aws s3 cp s3://bucket/x/shard-{{00000..00099}}.tar -', "
+            f"--data {masked(data)!r}: no .tar shards found; pass a folder, .tar paths or "
+            f"URLs (comma-separated or a brace pattern x-{{00..99}}.tar), a folder URL ending "
+            f"in / with a manifest.json, 'pipe:CMD' (CMD writes a shard to stdout), "
             f"'{BUILTIN}' or '{MIXED}'")
     return shards
 
 
 def source(folder):
-    """--data -> the data it was made from (a precompute.json's source)."""
+    """--data -> the data it was made from."""
     made = read_json(os.path.join(folder, "precompute.json")) if os.path.isdir(folder) else None
     return made["source"] if made else folder
 
 
 def worker_shards(shards, seed, epoch, rank, world, worker, n_workers):
-    """The shards one (rank, loader worker) reads this epoch: disjoint
-    slices of one shuffle, the same on every rank."""
+    """One (rank, worker)'s shards this epoch: disjoint slices of one
+    shuffle, the same on every rank."""
     order = list(shards)
     random.Random(f"shards-{seed}-{epoch}").shuffle(order)
     if len(order) < world * n_workers:
@@ -293,9 +289,8 @@ def worker_shards(shards, seed, epoch, rank, world, worker, n_workers):
 
 def read_tars(urls, handler=wds.reraise_exception, retries=0, faults=None):
     """Shards -> their samples {__key__, __url__, ext: bytes}, in order;
-    handler(error) -> go on to the next shard? The one place a shard is
-    opened: a remote one that fails is retried (shard_samples), one that
-    stays unreachable skipped with a warning and counted in `faults`."""
+    handler(error) -> go on to the next shard? A remote shard that stays
+    unreachable is skipped, warned of and counted in `faults`."""
     faults = Faults() if faults is None else faults
     for url in urls:
         try:
@@ -309,10 +304,9 @@ def read_tars(urls, handler=wds.reraise_exception, retries=0, faults=None):
 
 
 def shard_samples(url, retries, faults):
-    """One shard's samples. A remote one that fails part-way (a cut
-    connection, a timeout, a client exiting non-zero) is reopened up to
-    `retries` times, BACKOFF * 2^k s apart, past the samples already read:
-    nothing is lost or repeated. -> ShardLost where that fails."""
+    """One shard's samples; a remote one that fails part-way is reopened
+    up to `retries` times past the samples read: none lost or repeated.
+    ShardLost where that fails."""
     if not url.startswith(REMOTE):
         with open(url, "rb") as f:
             yield from tar_samples(f, url)
@@ -321,7 +315,6 @@ def shard_samples(url, retries, faults):
     for attempt in range(retries + 1):
         try:
             with Download(url) as stream:
-                # a reopened shard: the samples before `done` were read
                 for s in itertools.islice(tar_samples(stream, url), done, None):
                     done += 1
                     yield s
@@ -337,8 +330,7 @@ def shard_samples(url, retries, faults):
 
 
 def reason(error):
-    """A download error's own message, less where webdataset says it met
-    it (an " @ stream" and more arguments)."""
+    """A download error's message, less webdataset's " @ stream" and more."""
     own_text = (urllib.error.URLError, http.client.HTTPException)
     if isinstance(error, own_text) or getattr(error, "strerror", None):
         return str(error)
@@ -346,15 +338,14 @@ def reason(error):
 
 
 def tar_samples(stream, url):
-    """An open tar -> its samples; an error raised, a partial sample
-    never yielded."""
+    """An open tar -> its samples; errors raised, partial samples dropped."""
     files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
     return wds.tariterators.group_by_keys(files)
 
 
 def decode(s, sizes):
-    """Tar sample -> {image (3, H, W), caption, bucket: nearest of `sizes`}
-    or precomputed {latent, text, mask, (noise)}; None for a bad one."""
+    """Tar sample -> {image (3, H, W), caption, bucket (of `sizes`)} or
+    precomputed {latent, text, mask, (noise)}; None for a bad one."""
     try:
         # `data.py precompute` ran the frozen encoders; noise: reflow's pairs
         if "latent.npy" in s:
@@ -400,19 +391,17 @@ def collate(items):
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """One epoch of one rank's batches: collate()'s dicts, each with where
-    its loader worker stands (what Position.workers saves):
+    """One epoch of one rank's batches: collate()'s dicts, each with its
+    loader worker's record (Position.workers):
 
         worker   the loader worker that made it
         batches  batches it made this epoch
         raw      tar samples it read, bad ones included
-        skipped  bad samples (and unreadable shard data) it skipped
-        pooled   which of those (numbered from 1) wait in a bucket's pool
-        retries      remote shards it reopened after a fault
-        unreachable  remote shards it gave up (read_tars)
+        skipped  bad samples and unreadable tar data
+        pooled   which raw ones (from 1) wait in a bucket's pool
+        retries, unreachable  its Faults' counts
 
-    `resume`: {worker: that record}; `size`: a side, or {(W, H): share};
-    `retries`: reopenings of a remote shard before it is given up.
+    `resume`: {worker: that record}; `size`: a side, or {(W, H): share}.
     """
 
     def __init__(self, shards, batch_size, size, seed=0, epoch=0, rank=0, world=1,
@@ -437,7 +426,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return self.sizes[min(i, len(self.sizes) - 1)]
 
     def __iter__(self):
-        """This worker's samples, shuffled, decoded, into a pool per bucket ->
+        """This worker's samples, shuffled, decoded, pooled per bucket ->
         batches, each from the pool of its number's bucket."""
         info, B = torch.utils.data.get_worker_info(), self.batch_size
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
@@ -454,7 +443,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         saved = resume.get(worker, dict(batches=0, raw=0, skipped=0, pooled=[]))
         yield from self.fast_forward(stream, saved, worker, pools)
         n_read, self.skipped, n_made = saved["raw"], saved["skipped"], saved["batches"]
-        # the faults before the checkpoint, and those the re-reading met
+        # the faults before the checkpoint, and the re-reading's
         self.faults.retries += saved.get("retries", 0)
         self.faults.unreachable += saved.get("unreachable", 0)
         for s in stream:
@@ -481,7 +470,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # the pools' rest is dropped: an epoch ends where a bucket runs dry
 
     def unreadable(self, exn):
-        """read_tars' handler: warn about and count a bad tar, read on."""
+        """read_tars' handler: warn of and count a bad tar, read on."""
         self.skipped += 1
         warnings.warn(f"skipping unreadable shard data: {masked(repr(exn))}")
         return True
@@ -501,8 +490,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 def make_loader(shards, batch_size, size, seed, epoch, rank=0, world=1, workers=1,
                 resume=None, batches_before=0, retries=RETRIES):
-    """DataLoader over one epoch; for the next, set dataset.epoch_start and
-    iterate again (the workers stay)."""
+    """DataLoader over one epoch; for the next, set dataset.epoch_start
+    and iterate again."""
     ds = ShardStream(shards, batch_size, size, seed, epoch, rank, world, resume=resume,
                      batches_before=batches_before, retries=retries)
     # its own generator: the base seed is not drawn from the global RNG
@@ -514,7 +503,7 @@ def make_loader(shards, batch_size, size, seed, epoch, rank=0, world=1, workers=
 
 def default_workers():
     """--workers' default: 0 on a CPU (its cores run the model), else this
-    process's share of the cores, less one, at most 8."""
+    process's share of the cores less one, at most 8."""
     if not torch.cuda.is_available():
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -523,7 +512,7 @@ def default_workers():
 
 def leave_stops_to_rank(worker_id):
     """Ignore the TERM and USR1 torchrun and Slurm send every process: a
-    worker killed would crash its rank."""
+    killed worker would crash its rank."""
     for s in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(s, signal.SIG_IGN)
 
@@ -550,8 +539,9 @@ class Position:
     workers: dict = field(default_factory=dict)
     skipped_before: int = 0  # bad samples in the finished epochs
     skipped: int = 0  # ... and in all
-    retries: int = 0  # remote shards reopened after a fault, in all
-    unreachable: int = 0  # remote shards given up, in all
+    # Faults' counts, in all
+    retries: int = 0
+    unreachable: int = 0
 
 
 def batches(shards, batch_size, size, seed, rank, world, workers, pos, retries=RETRIES):
@@ -599,21 +589,21 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
         counts = [sum(1 for _ in read_tars(part, wds.ignore_and_continue, faults=faults))
                   for part in parts]
     if faults.unreachable == sum(map(len, parts)):
-        return (f"no shard of rank {rank} could be read: {faults.unreachable} unreachable, the "
-                f"last {faults.last}. Check --data's address and that its server or client "
-                f"answers (for pipe: run its command by hand)")
+        return (f"no shard of rank {rank} could be read ({faults.unreachable} unreachable); "
+                f"the last: {faults.last}. Check --data's address and its server (pipe: run "
+                f"CMD by hand)")
     return (f"epoch {epoch} gave rank {rank} no batch of --batch-size {batch_size}: its "
             f"{n_workers} loader worker(s) read {', '.join(map(str, counts))} samples of "
-            f"{len(shards)} shards over {world} rank(s) (each worker batches its own samples; "
-            f"bad ones are dropped). Use --batch-size {max(1, max(counts))} or less, fewer "
-            f"--workers or ranks, or more data.")
+            f"{len(shards)} shards over {world} rank(s); each batches its own, bad ones "
+            f"dropped. Use --batch-size {max(1, max(counts))} or less, fewer --workers or "
+            f"ranks, or more data.")
 
 
 # ==== A first read may skip the rest: shards over a network, files, tools =====
 # ---- Shards over a network: HTTP(S), gs://, any store's client ---------------
 @dataclass
 class Faults:
-    """What read_tars met over a network (ShardStream's record counts it)."""
+    """What read_tars met over a network."""
     retries: int = 0  # reopenings after a fault
     unreachable: int = 0  # shards given up
     last: str = ""  # the last shard given up, and why
@@ -628,10 +618,7 @@ class ShardCut(OSError):
 
 
 class Download:
-    """A remote file's bytes as they arrive, as a file. read() raises
-    ShardCut where they end short: before the Content-Length (a cut
-    connection), or with a client (gsutil, pipe:'s command) exiting
-    non-zero."""
+    """A remote file as a file object, read as it arrives."""
 
     def __init__(self, url, timeout=TIMEOUT):
         self.url, self.process, self.response = url, None, None
@@ -652,7 +639,8 @@ class Download:
         return chunk
 
     def check_whole(self):
-        """At the end: ShardCut unless every byte promised came."""
+        """At the end: ShardCut unless all came (the Content-Length, or the
+        client's exit 0)."""
         if self.response and self.response.length:
             raise ShardCut(f"the connection closed {self.response.length} bytes short")
         if self.process and (status := self.process.wait()):
@@ -678,8 +666,8 @@ class Download:
 
 
 def http_request(url):
-    """An http(s) URL -> a urllib Request; its user:password sent as Basic
-    authorization (urllib would take it for part of the host)."""
+    """An http(s) URL -> a Request, its user:password sent as Basic auth
+    (urllib would take it for part of the host)."""
     parts = urllib.parse.urlsplit(url)
     if parts.username is None:
         return urllib.request.Request(url)
@@ -692,18 +680,16 @@ def http_request(url):
 
 
 def gone(error):
-    """A fault no retry mends: the server says the file is not there, or
-    not ours (HTTP 4xx, less a timeout's 408 and a rate limit's 429); the
-    client is not installed (the shell's 127, 126: not runnable)."""
+    """A fault no retry mends: HTTP 4xx but 408 (timeout) and 429 (rate
+    limit); a client not found or not runnable (the shell's 127, 126)."""
     if isinstance(error, urllib.error.HTTPError):
         return 400 <= error.code < 500 and error.code not in (408, 429)
     return isinstance(error, FileNotFoundError) or getattr(error, "status", 0) in (126, 127)
 
 
 def fetch(url, retries=RETRIES):
-    """A remote file's bytes; None where it is not there (HTTP 4xx, or a
-    client that fails: it cannot say why). A server that keeps failing
-    -> SystemExit naming the URL."""
+    """A remote file's bytes; None where it is gone() or its client fails
+    (it cannot say why); SystemExit where a server keeps failing."""
     for attempt in range(retries + 1):
         try:
             with Download(url) as f:
@@ -719,13 +705,13 @@ def fetch(url, retries=RETRIES):
             time.sleep(BACKOFF * 2 ** attempt)
 
 
-# a URL in a message: scheme://, then up to a space or a quote
+# scheme://, up to a space or a quote
 URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
 
 
 def masked(text):
-    """text with every URL's password and query values hidden, as a run
-    prints and saves it: https://user:***@host/x.tar?token=***."""
+    """text with URLs' passwords and query values hidden:
+    https://user:***@host/x.tar?token=***."""
     def hide(match):
         try:
             parts = urllib.parse.urlsplit(match.group())
@@ -742,15 +728,15 @@ def masked(text):
 
 
 def is_folder_url(data):
-    """--data names a served folder: http(s):// or gs://, ending in /."""
+    """--data names a served folder (a URL ending in /)?"""
     return (data.startswith(("http://", "https://", "gs://"))
             and urllib.parse.urlsplit(data).path.endswith("/"))
 
 
 def beside(shard, name):
-    """The file `name` in a shard's folder, addressed as the shard is: a
-    path, a URL (its query kept), or pipe:'s command with the shard's name
-    (its word ending in .tar) swapped; None where a command names none."""
+    """The file `name` beside a shard, addressed as it is: a path, a URL
+    (query kept), or pipe:'s command with its .tar word swapped; None where
+    it has none."""
     if shard.startswith("pipe:"):
         words = shard.split(" ")
         named = [i for i, w in enumerate(words) if w.endswith(".tar")]
@@ -767,8 +753,7 @@ def beside(shard, name):
 
 
 def read_beside(shard, name):
-    """The JSON file `name` in a shard's folder (local or not); None where
-    there is none."""
+    """The JSON file `name` beside a shard; None where there is none."""
     where = beside(shard, name)
     if where is None or not where.startswith(REMOTE):
         return where and read_json(where)
@@ -782,9 +767,8 @@ def served_shards(folder):
     names = [s["name"] if isinstance(s, dict) else s for s in (manifest or {}).get("shards", [])]
     if not names:
         why = "no manifest.json there" if manifest is None else "its manifest.json names no shards"
-        raise SystemExit(f"--data {masked(folder)}: {why}. Write the folder with data.py shards "
-                         f"(it names them), or pass a brace pattern such as "
-                         f"{masked(folder)}shard-{{00000..00099}}.tar")
+        raise SystemExit(f"--data {masked(folder)}: {why}. Write it with data.py shards, or "
+                         f"pass a brace pattern: {masked(folder)}shard-{{00000..00099}}.tar")
     return sorted(beside(folder, n) for n in names)
 
 
@@ -818,18 +802,17 @@ def atomic_write(path, write, keep=None):
         finally:
             os.close(fd)
     finally:
-        # no .tmp is left behind
         with contextlib.suppress(OSError):
             os.remove(tmp)
 
 
 def read_text(path):
-    """A file's text; None where there is no such file."""
+    """A file's text; None where there is none."""
     return pathlib.Path(path).read_text() if os.path.exists(path) else None
 
 
 def read_json(path):
-    """A JSON file's value; None where there is no such file."""
+    """A JSON file's value; None where there is none."""
     return None if (text := read_text(path)) is None else json.loads(text)
 
 
@@ -898,7 +881,7 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
             if sink:
                 sink.close()
             shards.append(dict(name=f"shard-{len(shards):05d}.tar", samples=0))
-            # mtime 0: the same images give the same bytes on every run
+            # mtime 0: the same bytes on every run
             sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)
         jpg = encoded(cover_crop(img, wh), "JPEG", quality=quality)
         counts["%dx%d" % wh] += bool(multiple)
@@ -1014,8 +997,8 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     shards = resolve_shards(src, image_size)
     old = read_json(os.path.join(out, "precompute.json"))
     if bucket_shares(shards, image_size, 1):
-        raise SystemExit(f"{masked(src)}: pictures of several aspect ratios; precompute writes one "
-                         f"square size: train on them")
+        raise SystemExit(f"{masked(src)}: several aspect ratios; precompute writes one square "
+                         f"size: train on these shards")
     if old not in (None, meta):
         raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those "
                          f"flags, or write a new folder")
@@ -1054,7 +1037,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
 
 
 def get_parser():
-    """The offline tools' command line: data.py shards|emoji|precompute."""
+    """data.py's command line: shards|emoji|precompute."""
     import argparse
     p = argparse.ArgumentParser(description="The offline tools: converter, emoji, precompute.")
     sub = p.add_subparsers(dest="command", required=True, help="each has --help")
@@ -1063,12 +1046,12 @@ def get_parser():
     a = s.add_argument
     a("src", help="image folder (+ .txt captions), or a .csv/.jsonl of path,caption")
     a("out", help="output folder")
-    a("--size", type=int, default=256, help="square side in pixels (smaller images are skipped)")
+    a("--size", type=int, default=256, help="square side in pixels; smaller images skipped")
     a("--per-shard", type=int, default=1000, help="images per shard")
     a("--quality", type=int, default=95, help="JPEG quality")
     a("--buckets", type=int, default=0, metavar="M",
-      help="keep aspect ratios: each image to the nearest of 5 buckets 1:2 .. 2:1 of ~size^2 "
-           "pixels, sides multiples of M (patch x VAE factor)")
+      help="keep aspect ratios: the nearest of 5 buckets 1:2..2:1 of ~size^2 pixels, sides "
+           "multiples of M (patch x VAE factor)")
     s.set_defaults(run=lambda args: write_shards(
         args.src, args.out, args.size, args.per_shard, args.quality, args.buckets))
 
@@ -1084,9 +1067,9 @@ def get_parser():
 
     c = sub.add_parser("precompute", help="raw shards -> fp16 latents, text states, masks")
     a = c.add_argument
-    a("src", help="raw shards, as train.py's --data takes them (or 'builtin')")
+    a("src", help="raw shards, as train.py's --data")
     a("out", help="output folder (rerun to resume)")
-    a("--vae", default="none", help="as train.py's: 'none' keeps pixels, else hub id / folder")
+    a("--vae", default="none", help="as train.py's ('none': pixels)")
     a("--text-encoder", default="minilm", help="as train.py's")
     a("--image-size", type=int, default=32, help="as train.py's")
     a("--batch-size", type=int, default=32, help="images per encoder call")

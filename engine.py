@@ -1,7 +1,6 @@
 """engine.py -- how a step's gradients are made and applied.
 
-train.py picks one engine (`--dist`: one process or DDP, DeepSpeed ZeRO-2,
-FSDP2); its step calls only this interface:
+train.py picks one engine by `--dist`; its step calls only this interface:
 
   forward             the model as the step calls it (compiled, wrapped)
   micro_batch(last)   a context for one micro-batch
@@ -10,9 +9,9 @@ FSDP2); its step calls only this interface:
   whole_state(state)  a state dict whole, as a checkpoint keeps it
   own_state(state)    back: this rank's part of it
 
-DDP all-reduces the gradients; ZeRO-2 partitions the optimizer state and
-gradients; FSDP2 (ZeRO-3) the weights too. `--ep` splits the experts over
-DDP's ranks: expert_parallel.py.
+DDP all-reduces the gradients; DeepSpeed ZeRO-2 partitions the optimizer
+state and gradients; FSDP2 (ZeRO-3) the weights too. `--ep` splits the
+experts over DDP's ranks: expert_parallel.py.
 """
 import contextlib
 import os
@@ -26,16 +25,16 @@ from model import device
 
 
 class Engine:
-    """One process, or DDP (`--dist ddp`): gradients averaged in the backward.
-    EMA, samples and checkpoints use the plain model."""
+    """One process, or DDP (`--dist ddp`). EMA, samples and checkpoints use
+    the plain model."""
     partitioned = False  # the optimizer state is split over the ranks
     sharded = False  # so is every weight: ranks run each forward together
 
     def __init__(self, args, model, opt, dev, world, local_rank):
         self.model, self.opt, self.world, self.grad_accum = model, opt, world, args.grad_accum
         self.forward = torch.compile(model) if args.compile else model
-        # compile, then wrap. Every weight gets a gradient each step (experts
-        # are stacked), so DDP need not search for unused ones
+        # compile, then wrap. Experts are stacked, so every weight gets a
+        # gradient each step: DDP need not search for unused ones
         if world > 1 and not self.sharded:
             ignored = expert_parallel.sharded_names(self.forward)
             self.forward._ddp_params_and_buffers_to_ignore = ignored
@@ -65,7 +64,6 @@ class Engine:
 
     def clip(self):
         """Clip the gradients' global norm at 1.0 -> that norm."""
-        # --ep: each expert's gradient made DDP's mean first
         expert_parallel.reduce_expert_grads(self.model, self.world)
         return expert_parallel.clip_grad_norm_(self.model, 1.0)
 
@@ -114,15 +112,15 @@ class FSDPEngine(Engine):
     """FSDP2 (`--dist fsdp`, ZeRO-3): every tensor split along dim 0.
 
     A block's weights are all-gathered just before it runs (forward and
-    backward), then freed; its gradients are reduce-scattered to the shards
-    AdamW updates. The shards are DTensors: the step is one process's."""
+    backward), then freed; its gradients reduce-scattered to the DTensor
+    shards AdamW updates as in one process."""
     sharded = True
 
     @staticmethod
     def shard(models, dev, bf16=False):
         """Before the optimizer is built: each block, then the root. bf16:
-        the trained model's blocks gather and compute in bf16, reduce their
-        gradients in fp32 to fp32 shards; the rest and the EMA as kept."""
+        the trained model's blocks gather and compute in bf16, reduce in
+        fp32 to fp32 shards; the rest and the EMA as kept."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         world = dist.get_world_size()
         mesh = torch.distributed.device_mesh.init_device_mesh(dev, (world,))
@@ -133,8 +131,7 @@ class FSDPEngine(Engine):
                 bf16_here = bf16 and m is models[0] and module is not m
                 policy = half if bf16_here else MixedPrecisionPolicy()
                 fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-        # --moe: experts are stacked, so all ranks reduce-scatter the same
-        # tensors, even where no token reached an expert
+        # --moe: experts are stacked: all ranks reduce-scatter the same tensors
 
     def micro_batch(self, last):
         """Until the last micro-batch, the whole gradients accumulate."""
@@ -177,14 +174,14 @@ def init_distributed(dist_flag):
         return dev, 0, 0, 1
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if dev == "cuda":
-        # "cuda" now means this process's own GPU
+        # "cuda": this process's own GPU
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     return dev, rank, local_rank, world
 
 
 def make_engine(args, model, opt, dev, world, local_rank):
-    """The engine `--dist` names, around this model and its optimizer."""
+    """The engine `--dist` names, around `model` and `opt`."""
     engines = dict(deepspeed=DeepSpeedEngine, fsdp=FSDPEngine)
     return engines.get(args.dist, Engine)(args, model, opt, dev, world, local_rank)
 

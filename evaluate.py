@@ -18,7 +18,7 @@ from data import as_uint8, read_json
 from model import device, loading
 
 
-# ---- The built-in shapes: colour, shape, position read off a picture ----
+# ---- The built-in shapes: colour, shape, position ----
 def judge(img):
     """PIL image or uint8 (H, W, 3) array -> dict(color, shape, position);
     None where no shape is seen."""
@@ -64,7 +64,7 @@ def judge_accuracy(images, attrs):
     return {k: hits[k] / max(len(attrs), 1) for k in keys + ("all",)}
 
 
-# ---- A names set: retrieval in NameNet's features, sharpness, FID/KID ----
+# ---- A names set: retrieval, sharpness ----
 def laplacian(x):
     """Mean |Laplacian| of uint8 pictures: high-frequency energy."""
     k = torch.tensor([[0., 1, 0], [1, -4, 1], [0, 1, 0]]).expand(3, 1, 3, 3)
@@ -73,11 +73,10 @@ def laplacian(x):
 
 @torch.no_grad()
 def retrieval_scores(fake, want, names, fid=True):
-    """uint8 samples of the names `want` (indices) -> top1, top5: is the
-    named picture the nearest real one in NameNet's features? in the 5
-    nearest? chance1/5: for a guess; ceiling_top1/5: for near_misses() of
-    the real ones; sharpness: laplacian() / the real ones'; if `fid`,
-    fid_is()'s."""
+    """uint8 samples of the names `want` (indices) -> top1/5: share whose
+    named picture is among the 1/5 nearest real ones in NameNet's features;
+    chance1/5 (a guess); ceiling_top1/5 (near_misses() of the real ones);
+    sharpness (laplacian() / the real ones'); if `fid`, fid_is()'s."""
     real, net = names["real"], name_net(names)
     real_features = F.normalize(net(real)[0], dim=1)  # (names, features)
 
@@ -98,13 +97,13 @@ def retrieval_scores(fake, want, names, fid=True):
     return out
 
 
-# ---- FID, KID, IS (torchmetrics' definitions) and CLIPScore ----
+# ---- FID, KID, IS (as torchmetrics) and CLIPScore ----
 @torch.no_grad()
 def fid_is(real, fake, nets, batch=256):
     """uint8 real and fake images, feature_nets() -> dict(fid, kid, kid_std,
-    inception_score, inception_score_std). KID: squared MMD, cubic kernel,
-    100 subsets; unlike FID, unbiased at small n."""
-    # torchmetrics.image lists these only with torch-fidelity installed
+    inception_score, inception_score_std). KID (squared MMD, cubic kernel,
+    100 subsets) is unbiased at small n; FID is not."""
+    # torchmetrics.image exports these only with torch-fidelity
     from torchmetrics.image.fid import FrechetInceptionDistance
     from torchmetrics.image.inception import InceptionScore
     from torchmetrics.image.kid import KernelInceptionDistance
@@ -166,11 +165,11 @@ def print_scores(scores, n, how):
           f"sharpness {scores['sharpness']:.2f}x the real pictures'{fid}{straight}")
 
 
-# ==== What a first read may skip: NameNet, the real pictures, networks ====
+# ==== What a first read may skip: NameNet, real pictures, networks ====
 class NameNet(nn.Module):
-    """A small CNN that tells a set's names apart, trained on its real
-    pictures alone: uint8 (N, 3, H, W) -> (features (N, 4w), logits).
-    Not Inception: its FIDs compare runs on one set only."""
+    """A small CNN telling a set's names apart, trained on its real pictures:
+    uint8 (N, 3, H, W) -> (features (N, 4w), logits). Not Inception: its
+    FIDs compare runs on one set only."""
 
     def __init__(self, n_names, w=16):
         super().__init__()
@@ -191,8 +190,7 @@ class NameNet(nn.Module):
 
 
 def near_misses(x, g):
-    """Random views of uint8 pictures, like a sampler's near misses:
-    shifted, scaled, half of them blurred, all noised."""
+    """Random views of uint8 pictures, like a sampler's near misses."""
     n, x = len(x), x.float() / 127.5 - 1
     theta = torch.zeros(n, 2, 3)
     theta[:, 0, 0] = theta[:, 1, 1] = 1 / torch.empty(n).uniform_(0.85, 1.15, generator=g)
@@ -207,8 +205,8 @@ def near_misses(x, g):
 
 
 def name_net(names, batch=64, seed=0):
-    """NameNet for a names set: trained on near_misses() of its pictures on
-    first use, then cached beside them."""
+    """A names set's NameNet, trained on near_misses() of its pictures at
+    first use, cached beside them."""
     real = names["real"]
     # each name seen in 2,560 near misses (under 25 names), else 256 or more
     steps = 40 * len(real) if len(real) < 25 else max(1000, 4 * len(real))
@@ -240,8 +238,8 @@ def name_net(names, batch=64, seed=0):
 
 
 def names_set(folder, size):
-    """The names set (python data.py emoji) in `folder`, or None; its
-    real pictures as the converter prepares them under "real"."""
+    """The names set (python data.py emoji) in `folder`, or None; "real":
+    its pictures, prepared as the converter does."""
     names = read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None
     if names is None:
         return None
@@ -285,8 +283,8 @@ class OutputSelector(nn.Module):
 
 def feature_nets(spec, weights=None):
     """--features -> (net for FID, net for IS) on the CPU, taking uint8
-    (N, 3, H, W). Where torchvision works, trace Inception once into a
-    `--features` file that runs anywhere:
+    (N, 3, H, W). Where torchvision works, trace Inception once into a file
+    that runs anywhere:
 
         import torch
         from torchmetrics.image.fid import NoTrainInceptionV3 as Net
@@ -314,10 +312,10 @@ def feature_nets(spec, weights=None):
     except Exception as e:
         raise SystemExit(
             f"--features inception could not be loaded ({type(e).__name__}: {str(e)[:300]})."
-            "\nIt needs `pip install torch-fidelity` (with a torchvision matching your torch)"
-            " and its weights (--inception-weights FILE, or weights-inception-2015-12-05-"
-            f"6726825d.pth in {torch.hub.get_dir()}/checkpoints); or trace it once with "
-            "torch.jit.trace and pass --features FILE.pt (see evaluate.feature_nets).") from e
+            "\nIt needs `pip install torch-fidelity` (with a matching torchvision) and its weights "
+            "(--inception-weights FILE, or weights-inception-2015-12-05-6726825d.pth in "
+            f"{torch.hub.get_dir()}/checkpoints); or pass --features FILE.pt, traced once by "
+            "torch.jit.trace (see evaluate.feature_nets).") from e
 
 
 def load_clip(name):

@@ -4,7 +4,7 @@ Ranks form groups of N; rank j of a group holds experts [j E/N, (j+1) E/N)
 of each MoE layer (moe.py), the rest replicated as under DDP. A layer routes
 its own tokens and sorts the T*k rows by expert, so by rank; its Exchange
 all-to-alls the counts c (E,), then the rows (c summed per rank: uneven, no
-token dropped), runs what arrived through the local experts, and sends the
+token dropped), runs what arrived through its experts and sends the
 results back. An expert's gradient, which sums its group's tokens, is
 summed over its world / N copies and divided by the world size: DDP's mean.
 """
@@ -53,8 +53,7 @@ class Exchange:
 
     @torch._disable_dynamo  # the split sizes are read on the host
     def __call__(self, experts, xs, counts):
-        """Rows sorted by expert xs (n, D), rows per expert counts (E,) ->
-        each row through its expert (n, D), by the layer's `experts`."""
+        """xs, counts as for MoE.experts -> the same, experts spread over `group`."""
         ranks = self.size
         # (E,): rows from each rank for each of my experts
         received = torch.empty_like(counts)
@@ -78,9 +77,9 @@ class Exchange:
 
 # ---- Who holds which experts; their gradients; whole checkpoints -------------
 def shard_experts(models, n):
-    """Rank r keeps experts [j E/n, (j+1) E/n), j = r mod n, of each model
-    (the model, its EMA); ranks r - j ... r - j + n - 1 exchange rows. Call
-    before the optimizer is built; all ranks build all groups, in order."""
+    """Rank r keeps share j = r mod n of each model's experts (the model,
+    its EMA); ranks r - j ... r - j + n - 1 exchange rows. Call before the
+    optimizer is built; all ranks build all groups, in order."""
     if n == 1:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -125,8 +124,8 @@ def reduce_expert_grads(model, world):
 
 
 def clip_grad_norm_(model, max_norm):
-    """torch's clip_grad_norm_ -> the norm (NaN, inf pass). The experts'
-    squared norm is summed over the group: every rank scales alike."""
+    """torch's clip_grad_norm_ -> the norm (NaN, inf pass), the experts'
+    squared norm summed over the group: every rank scales alike."""
     sharded = set(sharded_names(model))
     if not sharded:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -143,8 +142,8 @@ def clip_grad_norm_(model, max_norm):
 
 def reshard(model, state, whole):
     """A state_dict of `model` or of its AdamW (moments by parameter index)
-    -> a copy with every expert (whole: all ranks of a group call it; rank
-    order is expert order), or with this rank's share (not whole)."""
+    -> a copy with every expert (whole: all ranks of a group call it), or
+    with this rank's share."""
     names = [k for k, _ in model.named_parameters()]
     opt = "param_groups" in state
     if opt:
@@ -171,9 +170,9 @@ def reshard(model, state, whole):
 
 
 def whole_model(model, config):
-    """`model` with every expert, to sample with in one process: all ranks
-    send their experts to a new type(model)(**config) on rank 0; the others
-    get None. Without --ep: `model`."""
+    """`model` with every expert, to sample with in one process: a new
+    type(model)(**config) on rank 0 (all ranks call it), None on the others.
+    Without --ep: `model`."""
     if not sharded_names(model):
         return model
     state = reshard(model, model.state_dict(), whole=True)

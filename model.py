@@ -10,12 +10,10 @@ Diffusion Transformer with two token streams.
         adaLN(s) -> Q, K, V -> RMSNorm(Q), RMSNorm(K)
         one joint attention over [c; x], text padding masked
         s <- s + Linear(o);  s <- s + SwiGLU(adaLN(s))
-    SD3's two residuals, ungated: their last layers start at zero, as
-    does the output layer (the untrained net predicts v = 0);
-  * DiT's sizes S/B/L/XL (`--model S/2`: width, depth, heads, patch 2).
+    SD3's two residuals, ungated; their last layers and the output layer
+    start at zero (the untrained net predicts v = 0).
 
 The last layer's text stream only gives Q, K, V (SD3's "pre-only").
-The file ends with what a first read may skip: the frozen encoders.
 """
 import collections
 import contextlib
@@ -71,9 +69,8 @@ def attention(q, k, v, keep, impl="sdpa"):
     """softmax(q k^T / sqrt(d) + mask) v, the mask 0 where `keep`, else -inf.
 
     q, k, v (B, H, S, d); keep (B, S) bool: the keys that may be attended.
-    "manual" writes it out; "sdpa" lets PyTorch pick (on a GPU a mask rules
-    out flash); "cudnn" tries cuDNN's kernel first (on a CPU: sdpa). All
-    give the same numbers."""
+    "manual" writes it out; "sdpa" lets PyTorch pick; "cudnn" tries cuDNN's
+    kernel first (on a CPU: sdpa). All give the same numbers."""
     if impl == "manual":
         # (B, H, S, S): the memory hog
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -99,7 +96,6 @@ class Stream(nn.Module):
     def __init__(self, dim, heads, qkv_only=False, moe=None):
         super().__init__()
         self.heads, self.qkv_only = heads, qkv_only
-        # t~ -> shift1, scale1[, shift2, scale2]
         self.adaln = nn.Linear(dim, (2 if qkv_only else 4) * dim)
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(dim, 3 * dim)
@@ -131,9 +127,9 @@ class Stream(nn.Module):
 
 
 class Block(nn.Module):
-    """Dual-stream layer: one joint attention over [text; image]. `x` holds
-    the image stream's weights (its MLP the MoE with --moe E), `c` the
-    text stream's, each named after the tensor it transforms (SD3's)."""
+    """Dual-stream layer, one joint attention over [text; image]: `x` the
+    image stream's weights (its MLP the MoE with --moe E), `c` the text
+    stream's (SD3's names)."""
 
     def __init__(self, dim, heads, last=False, attn="sdpa", moe=None):
         super().__init__()
@@ -188,7 +184,7 @@ class DiT(nn.Module):
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.final_adaln = nn.Linear(width, 2 * width)
         self.final = nn.Linear(width, patch * patch * in_channels)
-        # train.py --grad-ckpt: recompute the blocks in the backward pass
+        # train.py --grad-ckpt: recompute the blocks in the backward
         self.grad_ckpt = False
         self.initialize_weights()
 
@@ -208,8 +204,7 @@ class DiT(nn.Module):
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         for linear in self.t_mlp[::2]:
             nn.init.normal_(linear.weight, std=0.02)
-        # Zero: each adaLN (plain LayerNorm at first), each residual branch's
-        # last layer (blocks start as the identity), the output (v = 0)
+        # Zero: each adaLN, each residual branch's last layer, the output
         streams = [m for m in self.modules() if isinstance(m, Stream)]
         zero = [s.adaln.weight for s in streams]
         zero += [s.proj.weight for s in streams if not s.qkv_only]
@@ -220,8 +215,7 @@ class DiT(nn.Module):
             nn.init.zeros_(weight)
 
     def positions(self, h, w):
-        """The table's central h x w patches -> (1, h w, D): SD3's crop, one
-        position per offset from the centre in every aspect ratio."""
+        """The table's central h x w patches -> (1, h w, D) (SD3's crop)."""
         n = self.n_max
         if h > n or w > n:
             raise ValueError(f"{h} x {w} patches: this model has positions for up to {n} x {n}")
@@ -235,7 +229,7 @@ class DiT(nn.Module):
         return x.reshape(B, C, h * p, w * p)
 
     def forward(self, x, t, text, mask):
-        # any grid up to n_max a side (one bucket per batch)
+        # one bucket's grid per batch
         h, w = x.shape[-2] // self.patch, x.shape[-1] // self.patch
         x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.positions(h, w)
         c = self.text_in(text)  # (B, L, D)
@@ -253,7 +247,7 @@ class DiT(nn.Module):
         x = self.final(modulate(self.final_norm(x), shift, scale))
         return self.unpatchify(x, h, w)
 
-    # saved in every checkpoint: what its tensors mean (1: one residual a stream)
+    # saved in every checkpoint: what its tensors mean
     LAYOUT = 2
 
     @staticmethod
@@ -263,8 +257,7 @@ class DiT(nn.Module):
             layout = ckpt.get("layout", "none (before layouts)")
             raise SystemExit(
                 f"{source}: written for model layout {layout}, this model.py is "
-                f"layout {DiT.LAYOUT}: its tensors would mean something else; "
-                "use the commit that wrote it, or train anew")
+                f"layout {DiT.LAYOUT}: use the commit that wrote it, or train anew")
 
     def load_weights(self, state, source):
         """load_state_dict, or a clear exit on other tensor names."""
@@ -296,15 +289,15 @@ def device():
 
 
 def to_device(tensor, dev):
-    """A host tensor to the device; to a GPU pinned and async (no wait)."""
+    """A host tensor to the device; to a GPU pinned and async."""
     if str(dev).startswith("cuda") and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     return tensor.to(dev, non_blocking=True)
 
 
 def pad(seqs, masks=None):
-    """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L): row i
-    masks[i] if given, else True over sequence i."""
+    """Sequences (n_i, D) -> zero-padded (B, L, D) and mask (B, L): masks[i]
+    if given, else True over sequence i."""
     L, D = max(len(s) for s in seqs), seqs[0].shape[1]
     out = torch.zeros(len(seqs), L, D, dtype=seqs[0].dtype)
     mask = torch.zeros(out.shape[:2], dtype=torch.bool)
@@ -316,9 +309,8 @@ def pad(seqs, masks=None):
 
 @contextlib.contextmanager
 def loading(flag, name, errors=(OSError, ValueError)):
-    """Around loading a hub id or folder: a path that is no folder fails at
-    once, not after the hub's retries; a model not found says how to get it."""
-    # a path: starts with / or ., or its first part is a folder here
+    """Around loading a hub id or folder: a missing folder fails at once,
+    not after the hub's retries; a missing model says how to get it."""
     first = name.split("/")[0]
     looks_local = name.startswith(("/", ".")) or ("/" in name and os.path.isdir(first))
     if looks_local and not os.path.isdir(name):
@@ -329,19 +321,19 @@ def loading(flag, name, errors=(OSError, ValueError)):
     except errors as e:
         raise SystemExit(
             f"{flag} {name!r} could not be loaded ({type(e).__name__}: {str(e)[:300]}).\n"
-            f"Without network, pre-cache it where the network works: `hf download {name}` "
-            "(into $HF_HOME, default ~/.cache/huggingface; copy that folder over), "
-            "or pass a local folder written by save_pretrained.") from e
+            f"Offline: run `hf download {name}` where the network works and copy $HF_HOME "
+            "(default ~/.cache/huggingface) over, or pass a folder written by "
+            "save_pretrained.") from e
 
 
 class TextEncoder:
     """Captions -> token states (B, L, D_text), padding mask (B, L) bool, from
-    a frozen MiniLM (or any BERT folder) or CLIP, through transformers.
+    a frozen MiniLM (or any BERT folder) or CLIP.
 
     A caption's states are the same bits in any batch, cached, precomputed
-    or not, so resume stays exact: it runs in a fixed-shape chunk (a matmul
-    may round differently at another shape), then is rounded to fp16 as
-    shards store it. The last `cache_size` captions stay in host memory."""
+    or not (exact resume): it runs in a fixed-shape chunk (a matmul may round
+    otherwise at another shape), rounded to fp16 as shards store it. The last
+    `cache_size` captions stay in host memory."""
 
     def __init__(self, name="minilm", device="cpu", max_len=None, cache_size=100_000, chunk=None):
         path = name
@@ -373,9 +365,9 @@ class TextEncoder:
 
     @torch.no_grad()
     def _encode(self, captions):
-        """-> {caption: its real tokens' states (n, D), fp16 on the CPU}, each
-        run in `chunk` rows (empty captions fill), padded to its length
-        bucket (a multiple of 8; CLIP: 77, as trained)."""
+        """-> {caption: its real tokens' states (n, D), fp16 on the CPU}; runs
+        of `chunk` rows (empty captions fill), padded to a length bucket (a
+        multiple of 8; CLIP: 77, as trained)."""
         if not captions:
             return {}
         ids = dict(zip(captions + [""], self.tokenize(captions + [""])))
@@ -413,7 +405,7 @@ class VAE:
     """Frozen diffusers AutoencoderKL: pixels in [-1, 1] (B, 3, H, W) <->
     latents (B, C, H/f, W/f) times scaling_factor (about unit variance).
     The posterior *mean* (a sample's std is tiny): deterministic, so
-    precomputed and online training agree and resume is exact."""
+    precomputed and online training agree, resume exact."""
 
     def __init__(self, name, device="cpu"):
         from diffusers import AutoencoderKL

@@ -12,22 +12,22 @@ al. 2024):
 f_i is expert i's share of the T*k assignments, P_i its mean probability.
 Renormalised (as Mixtral), w has one scale for any E and k, and an upcycled
 model starts equal to its parent. L = alpha at uniform routing, not its
-minimum, but its gradient, through P only (f is a count), lowers each
-expert's probability in proportion to its load: toward balance. DiT-MoE
-uses alpha = 0.01 and 2 shared experts. An expert's width defaults to
-dense_hidden / (k + shared): a token uses the dense model's MLP params.
+minimum, but its gradient (through P: f is a count) lowers each expert's
+probability in proportion to its load. DiT-MoE uses alpha = 0.01 and 2
+shared experts. An expert's width defaults to dense_hidden / (k + shared):
+a token uses the dense model's MLP params.
 `--balance bias` is DeepSeek-V3's loss-free balancing: a per-expert bias b
-on p picks the top k (w stays unbiased), and after each step
-b_i += gamma sign(mean load - load_i), by the global batch's loads.
+on p picks the top k; after each step b_i += gamma sign(mean load - load_i),
+by the global batch's loads.
 
 Three dispatches (`--moe-impl`), equal in outputs and gradients:
   loop     per expert: mask its tokens, run it, add back (DiT-MoE's)
   sorted   the T*k assignments sorted by expert, one slice per expert,
            one index_add back (CPU default)
   grouped  the sorted rows in a fixed-size buffer, each expert's group
-           padded to ALIGN rows, one grouped GEMM per weight over all
-           experts (F.grouped_mm, torchtitan's; CUDA default): shapes of
-           (T, k, E) only, so no host sync, no recompiles
+           padded to ALIGN rows, one grouped GEMM per weight (F.grouped_mm,
+           torchtitan's; CUDA default): fixed shapes: no host sync, no
+           recompiles
 `--ep` sends the sorted rows to the ranks holding their experts
 (expert_parallel.py).
 """
@@ -77,7 +77,6 @@ class MoE(nn.Module):
         self.E, self.k, self.impl = n_experts, topk, impl
         self.alpha, self.hidden = alpha, hidden
         self.router = nn.Linear(dim, n_experts, bias=False)
-        # all experts stacked
         self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.b13 = nn.Parameter(torch.zeros(n_experts, 2 * hidden))
@@ -132,7 +131,7 @@ class MoE(nn.Module):
             order = idx.flatten().argsort(stable=True)
             token = order // self.k  # (T*k,) each sorted row's token
             # index_select, not x[token]: on a CPU its backward sums repeated
-            # rows in a fixed order; x[token]'s parallel atomics made runs differ
+            # rows in a fixed order; x[token]'s parallel atomics vary by run
             rows, e = x.index_select(0, token), idx.flatten()[order]
             counts = expert_counts(idx, self.E)
             if self.exchange is None:
@@ -190,7 +189,7 @@ class MoE(nn.Module):
         autocast = torch.is_autocast_enabled(dev.type)
         dt = torch.get_autocast_dtype(dev.type) if autocast else xs.dtype
         padded = (counts + ALIGN - 1) // ALIGN * ALIGN
-        ends = padded.cumsum(0)  # where each padded group ends
+        ends = padded.cumsum(0)
         # sorted row i, the (i - starts[e])-th of expert e's, goes to slot[i]
         starts = counts.cumsum(0) - counts
         slot = ends[e] - padded[e] + torch.arange(n, device=dev) - starts[e]
@@ -232,9 +231,9 @@ def balance_loss(model, all_reduce=None):
     """Sum over the MoE layers of alpha E sum_i f_i P_i (0 if dense).
 
     all_reduce (dist.all_reduce under torchrun) sums f's counts over ranks:
-    the mean over ranks (DDP's gradient) is the global batch's loss for any
-    split. --balance bias adds f to `loads` for nudge_biases instead: call
-    it right after the forward (--grad-ckpt routes again)."""
+    DDP's mean is the global batch's loss for any split. --balance bias
+    adds f to `loads` for nudge_biases instead: call it right after the
+    forward (--grad-ckpt routes again)."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.stats]
     # made on the device: a copy from the host would wait
     zero = torch.zeros((), device=next(model.parameters()).device)
@@ -253,9 +252,9 @@ def balance_loss(model, all_reduce=None):
 
 
 def nudge_biases(model, rate, skip=None):
-    """--balance bias, after a step: b_i += rate sign(mean load - load_i) by
-    the loads summed over micro-batches (and ranks); DeepSeek-V3's rate is
-    0.001. No nudge where `skip` (a bool on the device) is set."""
+    """--balance bias, after a step: b_i += rate sign(mean load - load_i),
+    loads summed over micro-batches and ranks (DeepSeek-V3: rate 0.001);
+    none where `skip` (a device bool) is set."""
     with torch.no_grad():
         for m in model.modules():
             if not (isinstance(m, MoE) and m.balance == "bias"):
@@ -279,7 +278,7 @@ def routing_stats(model):
 
 def count_params(model):
     """(total, active): all parameters (--ep: all ranks' experts), and those
-    one image token uses: less each layer's E - k unused experts."""
+    one image token uses (less E - k experts a layer)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     def one_expert(m):
         return sum(w.numel() for w in m.weights(0))
@@ -294,7 +293,7 @@ def upcycle(model, dense_state):
 
     Every expert a copy of the dense MLP, routers fresh, shared experts at
     zero output: the first forward is the dense model's. Routing breaks the
-    symmetry: each expert gets other tokens, so other gradients."""
+    symmetry: other tokens, other gradients."""
     state = model.state_dict()
     moes = {k: m for k, m in model.named_modules() if isinstance(m, MoE)}
     # they become the experts

@@ -1,24 +1,19 @@
-"""profile.py -- measure, don't guess: a training step timed by phase, and
-one flag flipped side by side.
+"""profile.py -- train.py's step timed by phase, and one flag's settings side by side.
 
     python profile.py compute --trace      # ms per phase, img/s, memory, MFU
     python profile.py --compare moe=0,8    # a ratio table
     python profile.py dataloader --compare data=builtin,loopback  # over HTTP
-    python profile.py suite                # the one-flag comparisons
-    python profile.py recipe               # scores on the shapes and the emoji
+    python profile.py suite                # every claim
+    python profile.py recipe               # shapes and emoji scores
 
-Every other flag is train.py's: a comparison is "the default run with one
-flag flipped", each setting in fresh processes (clean memory), alternating
-(noise hits all alike). Results: <out>/profile/*.json.
+Other flags are train.py's. Settings run in fresh processes (clean memory),
+alternating (noise hits all alike). Results: <out>/profile/*.json.
 
-    peak memory = the allocator's peak (CUDA), peak RSS - RSS at step 1 (CPU)
-    MFU = FLOPs per step / step time / the GPU's dense bf16 peak
-
-FLOPs: FlopCounterMode on a step of the DiT (masked text keys count, the
-frozen encoders do not).
+    peak memory = allocator peak (CUDA), peak RSS - RSS at step 1 (CPU)
+    MFU = DiT FLOPs per step / step time / the GPU's dense bf16 peak
 """
-# Run from the repo root, this file shadows the standard library's `profile`, which
-# cProfile (so torch.compile) imports: imported by that name, it hands the real one over.
+# This file shadows the stdlib `profile` (imported by cProfile, so torch.compile):
+# imported as `profile`, it loads the real one.
 import contextlib
 import functools
 import os
@@ -67,9 +62,8 @@ COLUMNS = {"step_ms": ("step ms", ".1f"), "img_per_s": ("img/s", ".0f"),
            "opt_state_mb": ("optimizer state MiB/rank", ".2f"),
            "achieved_tflops": ("TFLOP/s", ".3g"), "mfu": ("MFU", ".1%"),
            "loader_img_per_s": ("loader img/s", ".0f")}
-# in attention kernels' names (aten's, cuDNN's)
 ATTENTION_WORDS = ("attention", "fmha", "flash", "cudnn")
-# dense bf16 TFLOP/s, the datasheets'
+# dense bf16 TFLOP/s (datasheets)
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}
 
 
@@ -80,22 +74,21 @@ def get_parser():
     add = p.add_argument
     add("mode", nargs="?", default="compute",
         choices=["compute", "full", "dataloader", "suite", "recipe"],
-        help="compute: the step on a fixed batch; full: the real loop; dataloader: the "
-        "loader alone too; suite: the one-flag comparisons; recipe: shapes and emoji runs")
+        help="compute: a fixed batch; full: the real loop; dataloader: also the loader "
+        "alone; suite: the claims; recipe: shapes and emoji runs")
     add("--emoji", default="data/emoji", help="recipe: the emoji set (`data.py emoji DIR`)")
-    add("--claims", default="all", help="suite: comma-separated subset of " + ",".join(CLAIMS))
-    add("--synthetic", help="random inputs C,SIDE,L,DTEXT (4,64,77,768: SD-VAE "
-        "latents of 512 px, CLIP-L text states)")
+    add("--claims", default="all", help="suite: a subset of " + ",".join(CLAIMS))
+    add("--synthetic", help="random inputs C,SIDE,L,DTEXT (4,64,77,768: SD-VAE 512 px, CLIP-L)")
     add("--loader-batches", type=int, default=50, help="dataloader: batches timed")
-    add("--peak-tflops", type=float, help="the GPU's peak TFLOP/s for MFU (known: PEAK_TFLOPS)")
-    add("--iters", type=int, default=10, help="timed steps (after the warm-up)")
+    add("--peak-tflops", type=float, help="peak TFLOP/s for MFU (default: PEAK_TFLOPS)")
+    add("--iters", type=int, default=10, help="timed steps")
     add("--warmup-iters", type=int, default=3, help="untimed steps first")
-    add("--trace", action="store_true", help="also write a torch.profiler Chrome trace")
-    add("--compare", help="FLAG=A,B[,C]: a train.py flag's settings side by side (switches: "
-        "off,on); nproc=1,2: ranks of 1 thread; dist, ep: 2 ranks; grad-accum keeps the batch; "
-        "data=FOLDER,loopback: FOLDER's shards also over HTTP from 127.0.0.1")
-    add("--repeats", type=int, help="--compare: runs per setting (3; suite: 2 on a GPU, 1 on CPU)")
-    add("--json", help="write the result JSON here (used by --compare)")
+    add("--trace", action="store_true", help="write a Chrome trace")
+    add("--compare", help="FLAG=A,B[,C]: a train.py flag's settings (switches: off,on); "
+        "nproc=1,2: 1-thread ranks; dist, ep: 2 ranks; grad-accum keeps the batch; "
+        "data=FOLDER,loopback: also over HTTP")
+    add("--repeats", type=int, help="runs per setting (3; suite: 2 on GPU, 1 on CPU)")
+    add("--json", help="result JSON path")
     return p
 
 
@@ -103,9 +96,9 @@ def get_args(argv=None):
     return train.get_args(argv, parser=get_parser())
 
 
-# ---- Measure: train.py's step timed by phase ----
+# ---- Measure ----
 def fixed_batch(args, run):
-    """One real built-in batch (MoE routing depends on what the tokens show)."""
+    """A real built-in batch: MoE routing depends on content."""
     rng, captions, images = random.Random(args.seed), [], []
     for _ in range(args.batch_size):
         caption, a = data.random_caption(rng)
@@ -117,16 +110,15 @@ def fixed_batch(args, run):
 
 
 def run_steps(run, args, n, batches, times=None, collectives=False):
-    """n training steps on next(batches), each phase's seconds put in `times`."""
-    # seconds in --ep's (or FSDP's) collectives since the last mark
+    """n steps on next(batches); phase seconds into `times`."""
+    # collectives' seconds since the last mark
     exchanged = [0.0]
     comm = "all_to_all" if args.ep > 1 else "communication" if collectives else None
-    # A host sync in a timed GPU step raises, save where one comes each step
-    # (DeepSpeed, --ep, loop, sorted, fp32 grouped, FSDP's timed collectives)
+    # A host sync in a timed GPU step raises, save where every step has one
     grouped = not args.moe or (args.moe_impl == "grouped" and args.precision == "bf16")
     check = times is not None and run.dev == "cuda" and grouped and not (
         run.engine.partitioned or args.ep > 1 or collectives)
-    # only the step: the encoders between its marks may sync
+    # only the step: the encoders may sync
     in_step = [False]
 
     def syncs(on):
@@ -134,7 +126,7 @@ def run_steps(run, args, n, batches, times=None, collectives=False):
             torch.cuda.set_sync_debug_mode("error" if on else 0)
 
     for _ in range(n):
-        # seconds per phase, summed over micro-batches
+        # summed over micro-batches
         last, step = [time.perf_counter()], {}
 
         def mark(phase):
@@ -168,7 +160,7 @@ def run_steps(run, args, n, batches, times=None, collectives=False):
 
 @contextlib.contextmanager
 def timed_collectives(seconds, fsdp=False):
-    """Within it, --ep's all-to-alls (and FSDP2's collectives) add their seconds to seconds[0]."""
+    """--ep's all-to-alls (FSDP2's too) add their seconds to seconds[0]."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fsdp_calls = [(dist, "all_gather_single"), (dist, "reduce_scatter_single")]
     targets = [(expert_parallel, "all_to_all")] + fsdp_calls * fsdp
@@ -180,7 +172,7 @@ def timed_collectives(seconds, fsdp=False):
             sync()
             t0 = time.perf_counter()
             work = real(*a, **k)
-            # FSDP's are issued with async_op=True
+            # FSDP's are async_op=True
             if work is not None:
                 work.wait()
             sync()
@@ -202,7 +194,7 @@ def measure(args):
     shape = [int(v) for v in args.synthetic.split(",")] if args.synthetic else None
     run = train.setup(args, shape=shape and (shape[0], shape[1], shape[3]))
     if shape:
-        # random latents and text states, as from precomputed shards
+        # as from precomputed shards
         g = torch.Generator().manual_seed(args.seed)
         (C, side, L, D_text), B = shape, args.batch_size
         batch = dict(latent=torch.randn(B, C, side, side, generator=g),
@@ -222,7 +214,6 @@ def measure(args):
     res["params"], res["active_params"] = count_params(run.model)
     if args.mode == "dataloader":
         res.update(loader_alone(args))
-    # resident set size, MiB (Linux)
     pages = int(read_text("/proc/self/statm").split()[1])
     rss_before = pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
     run_steps(run, args, args.warmup_iters, batches)
@@ -248,15 +239,14 @@ def measure(args):
     res["opt_state_mb"] = engine.optimizer_bytes(run.opt) / 2 ** 20
     res["param_mb"] = engine.held_bytes(run.model.parameters()) / 2 ** 20
     if run.engine.sharded:
-        # FSDP: more steps, each collective waited for and timed
+        # FSDP: more steps, each collective timed
         timed = {}
         run_steps(run, args, args.iters, batches, timed, collectives=True)
         comm = timed["communication"]
         res["communication_ms"] = 1e3 * statistics.median(comm)
         res["communication_share"] = sum(comm) / sum(sum(v) for v in timed.values())
     elif run.world > 1 and not run.engine.partitioned:
-        # DDP: what its all-reduce adds to the same steps without it
-        # (replicas drift apart; nothing is saved)
+        # DDP: vs the same steps unsynced (replicas drift; none saved)
         unsynced = {}
         with run.engine.forward.no_sync():
             run_steps(run, args, args.iters, batches, unsynced)
@@ -267,11 +257,10 @@ def measure(args):
     res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
     peak = args.peak_tflops or next(
         (v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
-    # unknown peak (CPUs): no MFU
     res["mfu"] = res["achieved_tflops"] / peak if peak else None
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     if args.trace:
-        # a Chrome trace of 2 steps; which attention kernels ran (a mask keeps SDPA off flash)
+        # which attention kernels ran: a mask keeps SDPA off flash
         from torch.profiler import ProfilerActivity, profile
         cuda = [ProfilerActivity.CUDA] * (run.dev == "cuda")
         with profile(activities=[ProfilerActivity.CPU] + cuda) as prof:
@@ -293,16 +282,16 @@ def measure(args):
     return res
 
 
-# ---- --compare FLAG=A,B: fresh processes, alternating ----
+# ---- --compare ----
 def without_flags(argv, with_value, switches=()):
-    """argv less the options `with_value` (and their values) and `switches`."""
+    """argv less `with_value` options, their values and `switches`."""
     values = {i + 1 for i, a in enumerate(argv) if a in with_value}
     return [a for i, a in enumerate(argv)
             if not (i in values or a.split("=")[0] in with_value or a in switches)]
 
 
 def flag_args(flag, value):
-    """FLAG=value as train.py flags: a switch is given (on) or not (off)."""
+    """FLAG=value as train.py flags; a switch is on or left out."""
     options = train.get_parser()._option_string_actions
     if getattr(options.get(f"--{flag}"), "nargs", None) == 0:
         return [f"--{flag}"] if value == "on" else []
@@ -313,11 +302,10 @@ def setting_command(args, flag, value, base, out):
     """-> (command, env) measuring FLAG=value into `out`."""
     extra = flag_args(flag, value)
     if flag == "grad-accum":
-        # the same global batch: accum x micro-batch = --batch-size
+        # accum x micro-batch = --batch-size
         extra += ["--batch-size", str(args.batch_size // int(value))]
     ranks, env = "1", dict(os.environ)
     if flag in ("nproc", "dist", "ep"):
-        # N ranks of 1 thread under torchrun (dist, ep: 2)
         ranks = value if flag == "nproc" else "1" if value == "none" else "2"
         engine_flag = ["--dist", value if flag == "dist" else "ddp"]
         extra = (engine_flag + extra * (flag == "ep")) * (ranks != "1")
@@ -329,7 +317,7 @@ def setting_command(args, flag, value, base, out):
 
 
 def compare(args, argv):
-    """FLAG's values in fresh processes, alternating -> (medians, printed table)."""
+    """--compare FLAG=A,B -> (medians, table)."""
     flag, values = args.compare.split("=", 1)
     values, repeats = values.split(","), args.repeats or 3
     base = without_flags(argv, {"--compare", "--repeats", "--json"}, {"--trace"})
@@ -346,8 +334,8 @@ def compare(args, argv):
             runs[v].append(read_json(out))
     rows, text = ratio_table(args, flag, values, runs)
     run0 = runs[values[0]][0]
-    text.append(f"(median of {repeats} processes x {args.iters} timed steps, {run0['device']}, "
-                f"{run0['threads']} threads; step = all phases, range in brackets)")
+    text.append(f"(medians of {repeats} processes x {args.iters} steps, {run0['device']}, "
+                f"{run0['threads']} threads; step = all phases (min–max))")
     print("\n".join(text), flush=True)
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     write_json(os.path.join(args.out, "profile", f"compare_{flag}.json"),
@@ -357,8 +345,7 @@ def compare(args, argv):
 
 @contextlib.contextmanager
 def loopback(args, flag, values):
-    """--compare data=FOLDER,loopback: FOLDER's shards served over HTTP on
-    127.0.0.1 while the settings run -> {"loopback": their URLs}."""
+    """data=FOLDER,loopback: FOLDER's shards over HTTP -> {"loopback": URLs}."""
     if flag != "data" or "loopback" not in values:
         yield {}
         return
@@ -373,17 +360,17 @@ def loopback(args, flag, values):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"
     try:
-        # the shards' names: a folder made before manifest.json named them
+        # each shard's URL: older folders have no manifest.json
         yield {"loopback": ",".join(base + os.path.basename(s) for s in shards)}
     finally:
         server.shutdown()
         server.server_close()
 
 
-# ---- What a first read may skip: FLOPs, printing, suite, recipe ----
+# ---- FLOPs, printing, suite, recipe ----
 def flops_per_step(run, args, batch):
-    """FLOPs of one more step, on the eager model with the sorted dispatch
-    (FlopCounterMode has no formula for grouped_mm: the same matmuls)."""
+    """One more step's FLOPs (masked text keys count): eager, sorted dispatch (no
+    FlopCounterMode formula for grouped_mm: the same matmuls)."""
     impls = {m: m.impl for m in run.model.modules() if isinstance(m, MoE)}
     forward = run.engine.forward
     for m in impls:
@@ -398,7 +385,7 @@ def flops_per_step(run, args, batch):
 
 
 def loader_alone(args):
-    """The input pipeline alone -> images/s, seconds to the first batch."""
+    """The loader alone -> images/s, seconds to the first batch."""
     shards, B = data.resolve_shards(args.data, args.image_size), args.batch_size
     t0, n = time.perf_counter(), 0
     loader = data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)
@@ -413,7 +400,7 @@ def loader_alone(args):
 
 
 def print_result(res, times):
-    """measure()'s result, for a reader."""
+    """Print measure()'s result."""
     cells = [f"{k} {res[k + '_ms']:.1f} ms ({100 * res['share'][k]:.1f}%)" for k in times]
     cells += [f"step {res['step_ms']:.1f} ms", f"{res['img_per_s']:.0f} img/s",
               f"peak {res['peak_mem_mb']:.0f} MiB",
@@ -431,11 +418,11 @@ def print_result(res, times):
 
 
 def ratio_table(args, flag, values, runs):
-    """Medians -> (rows {value: {key: median}}, the table's lines)."""
+    """-> ({value: {key: median}}, the table's lines)."""
     phases = ("data_wait", "encoders") * (args.mode == "full") + PHASES
     phases += ("all_to_all",) * (flag == "ep")
     if flag == "dist":
-        # each engine's phases hold its communication, unlike --ep's
+        # its phases hold the communication, unlike --ep's
         phases = ()
     measured = runs[values[0]][0]
     columns = {f"{k}_ms": (f"{k} ms", ".1f") for k in phases} | {
@@ -461,38 +448,34 @@ def ratio_table(args, flag, values, runs):
         line = [v, *cells.values(), f"{step:.2f}×", f"{mem:.2f}×"]
         text.append("| " + " | ".join(line) + " |")
     for v in values[1:] if flag == "nproc" else []:
-        # scaling efficiency: N ranks' images/s over N times one rank's
         comm = statistics.median(r["communication_share"] for r in runs[v])
         eff = rows[v]["img_per_s"] / (int(v) * ref["img_per_s"]) * int(first)
         text.append(f"{v} processes: scaling efficiency {100 * eff:.1f}% vs {first}; "
                     f"communication {100 * comm:.1f}% of the step (vs DDP no_sync)")
-    # precomputed data: a gain the encoders' share predicts (not a loopback's)
+    # precomputed data: is all the gain the encoders' time?
     precomputed = flag == "data" and args.mode == "full" and "loopback" not in values
     for v in values[1:] if precomputed else []:
-        # is all the gain the encoders' time?
         share = ref["encoders_ms"] / ref["step_ms"]
-        text.append(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x the images/s of "
-                    f"{first}; the frozen encoders were {100 * share:.1f}% of its step, so "
-                    f"1 / (1 - share) predicts {1 / (1 - share):.2f}x")
+        text.append(f"--data {v}: {ref['step_ms'] / rows[v]['step_ms']:.2f}x {first}'s img/s; "
+                    f"encoders were {100 * share:.1f}% of its step: 1 / (1 - share) predicts "
+                    f"{1 / (1 - share):.2f}x")
     return rows, text
 
 
 def claims(gpu):
-    """[(key, title, profile.py arguments)]: sized for one H100-class GPU, or tiny."""
+    """[(key, title, profile.py arguments)] for one H100-class GPU, or tiny."""
     if gpu:
         base = "--width 384 --depth 6 --heads 6 --patch 2 --image-size 32 --batch-size 64"
         attn = [("~1k", "--image-size 64 --batch-size 32"),
                 ("~4k", "--image-size 128 --batch-size 8")]
         full = "--width 768 --depth 12 --heads 12 --patch 2 --batch-size 32 --synthetic 4,64,77,768"
-        full_title = ("The full-size B/2 model (width 768, depth 12, 12 heads, "
-                      "patch 2) on 4x64x64 latents, CLIP-L")
+        full_title = "The full-size B/2 model on 4x64x64 latents, CLIP-L"
         precision, loader = "bf16", 8
     else:
         base = "--width 128 --depth 2 --heads 4 --patch 4 --image-size 32 --batch-size 32"
         attn = [("64", "--patch 4"), ("256", "--patch 2 --batch-size 8")]
         full = "--width 96 --depth 2 --heads 2 --patch 2 --batch-size 4 --synthetic 4,16,77,768"
-        full_title = ("The full-size model's inputs (4-channel latents, "
-                      "CLIP-L-sized text) at CPU size: width 96")
+        full_title = "Full-size inputs (4-channel latents, CLIP-L text), width 96"
         precision, loader = "fp32", 1
     base = base.split()
     moe8 = base + ["--moe", "8"]
@@ -501,22 +484,22 @@ def claims(gpu):
     versus = attn_values.replace(",", " vs ")
     rows = []
     for n, size in attn:
-        # base, the flags that `size` names replaced
+        # `size`'s flags replace base's
         named = {a for a in size.split() if a.startswith("--")}
         rows.append(("attn", f"Attention: {versus} at {n} image tokens",
                      without_flags(base, named) + size.split(), f"attn={attn_values}"))
     rows += [
-        ("moe-impl", "MoE dispatch: loop vs sorted vs grouped (8 experts, top-2, 2 shared)",
+        ("moe-impl", "MoE dispatch (8 experts, top-2, 2 shared)",
          moe8, "moe-impl=loop,sorted,grouped"),
-        ("moe", "Dense vs 8 experts at equal active parameters per token", base, "moe=0,8"),
+        ("moe", "Dense vs 8 experts, equal active parameters per token", base, "moe=0,8"),
         ("compile", "torch.compile, dense", base, "compile=off,on"),
-        ("compile-moe", "torch.compile, 8 experts (the device's default dispatch)", moe8,
+        ("compile-moe", "torch.compile, 8 experts (default dispatch)", moe8,
          "compile=off,on"),
         ("precision", "fp32 vs bf16 autocast", base, "precision=fp32,bf16"),
         ("full-size", full_title, full.split(), f"precision={precision}"),
-        ("loader", "Data loader vs the model (built-in shapes, one process)",
+        ("loader", "Data loader vs model (built-in shapes, one process)",
          ["dataloader"] + base, f"workers={loader}")]
-    # `ep` runs 2 ranks: one GPU each
+    # 2 ranks, a GPU each
     if not gpu or torch.cuda.device_count() > 1:
         rows.append(("ep", "Expert parallelism: 8 experts on each of 2 ranks, or 4 each (--ep 2)",
                      moe8, "ep=1,2"))
@@ -525,7 +508,7 @@ def claims(gpu):
 
 @functools.cache
 def provenance():
-    """-> (commit, machine) for a CLAIMS.md row; -dirty: uncommitted changes."""
+    """-> (commit, machine) for a CLAIMS.md row."""
     def git(*a):
         return subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True).stdout.strip()
 
@@ -542,7 +525,7 @@ def provenance():
 
 
 def claims_row(claim, measured, command):
-    """| claim | measured | command | commit | machine |, as in CLAIMS.md."""
+    """A CLAIMS.md row."""
     return f"| {claim} | {measured} | `{command}` | " + " | ".join(provenance()) + " |"
 
 
@@ -551,7 +534,7 @@ def write_md(path, lines):
 
 
 def summary(value, row, ref):
-    """One setting's medians for a CLAIMS.md cell, ratios to `ref`'s."""
+    """A CLAIMS.md cell: medians, ratios to `ref`'s."""
     step = row["step_ms"] / ref["step_ms"]
     mem = row["peak_mem_mb"] / max(ref["peak_mem_mb"], 1e-9)
     return (f"{value}: step {row['step_ms']:.1f} ms ({step:.2f}×), "
@@ -561,7 +544,7 @@ def summary(value, row, ref):
 
 
 def suite(args):
-    """Every claim (or --claims): its ratio table, then a CLAIMS.md row each."""
+    """Each claim's ratio table, then its CLAIMS.md row."""
     gpu = device() == "cuda"
     peak = args.peak_tflops or next(
         (v for k, v in PEAK_TFLOPS.items() if gpu and k in torch.cuda.get_device_name()), None)
@@ -575,8 +558,8 @@ def suite(args):
         common += ["--peak-tflops", str(args.peak_tflops)]
     mfu = f"MFU against {peak} TFLOP/s (dense bf16 peak)" if peak else "peak FLOP/s unknown: no MFU"
     md = [f"## profile.py suite: {provenance()[1]}", "",
-          f"{mfu}; {repeats} fresh process(es) per setting, {args.warmup_iters} warm-up + "
-          f"{args.iters} timed steps; medians, each setting's ratio to the first.", "",
+          f"{mfu}; {repeats} process(es) per setting, {args.warmup_iters} warm-up + "
+          f"{args.iters} timed steps; medians, ratios to the first.", "",
           *CLAIMS_HEAD]
     for key, title, argv in claims(gpu):
         if key not in chosen:
@@ -584,7 +567,7 @@ def suite(args):
         cmd = ["compute"] * (argv[0] != "dataloader") + argv + common
         command = "python profile.py " + " ".join(cmd)
         print(f"### {title}\n`{command}`", flush=True)
-        # a failing setting (a kernel this GPU lacks) stops no other
+        # a failing claim (a kernel this GPU lacks) stops no other
         try:
             rows = compare(get_args(cmd), cmd)[0]
             setting = cmd[cmd.index("--compare") + 1]
@@ -600,7 +583,7 @@ def suite(args):
 
 
 def recipe(args, argv):
-    """Whole train.py runs (each --compare value) on the shapes and the emoji -> CLAIMS rows."""
+    """train.py on shapes and emoji, per --compare value -> CLAIMS rows."""
     if not os.path.exists(os.path.join(args.emoji, "names.json")):
         data_py = os.path.join(HERE, "data.py")
         subprocess.run([sys.executable, data_py, "emoji", args.emoji], check=True)
@@ -613,7 +596,7 @@ def recipe(args, argv):
             folder = f"{name}_{v}" if flag else name
             out = os.path.join(args.out, "recipe", folder.replace(os.sep, "_"))
             flags = base + extra + ["--data", where, "--out", out]
-            # (the recipe's own folder)
+            # the recipe's own folder
             shutil.rmtree(out, ignore_errors=True)
             command = "python train.py " + " ".join(flags)
             print("recipe: " + command, flush=True)

@@ -1,7 +1,6 @@
-"""runfolder.py -- the run folder, and the run's life around the step.
+"""runfolder.py -- the run folder, stop signals, exits; a first read may skip it.
 
-A first read may skip it: checkpoints, log.jsonl and TensorBoard, stop
-signals, exits. `--out` holds what rank 0 writes:
+`--out` holds what rank 0 writes:
 
   ckpt.pt, ckpt.prev.pt  every state (an exact --resume); the one before
   deepspeed/stepNNNNNN/  ZeRO-2: each rank's optimizer partition
@@ -34,7 +33,7 @@ from model import DiT, count_params
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"
 # what defines the stream a data.Position points into
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")
-# --resume refuses to change these unless --override names them
+# --resume refuses a change to these without --override
 TRAJECTORY = DATA_FLAGS + (
     "steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop",
     "ema", "precision", "bias_rate", "text_encoder", "vae", "image_size")
@@ -45,7 +44,7 @@ def holds_checkpoint(out):
 
 
 def architecture(config):
-    """A model config less how it computes (attention, expert dispatch)."""
+    """A model config less how it computes."""
     return {k: v for k, v in config.items() if k not in ("attn", "moe_impl")}
 
 
@@ -58,15 +57,14 @@ def open_folder(args):
                          "--resume, or pass another --out")
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
     shards = data.resolve_shards(args.data, args.image_size)
-    # what the run prints and saves (args.json, checkpoints): a URL's
-    # password and query token stay in the shards' addresses alone
+    # only the shards keep a URL's password and query token
     args.data = data.masked(args.data)
-    # by `data.py precompute`, or sample.py --pairs (reflow: flow.py)
+    # from `data.py precompute` or sample.py --pairs
     precomputed = data.read_beside(shards[0], "precompute.json")
     if precomputed and precomputed.get("pairs") and not (args.init or args.resume):
         parent = precomputed["pairs"]
-        raise SystemExit(f"{args.data} holds reflow pairs drawn from {parent}: train on "
-                         f"them from that model, --init {parent}")
+        raise SystemExit(f"{args.data} holds reflow pairs drawn from {parent}: pass "
+                         f"--init {parent}")
     keys = ("vae", "text_encoder", "image_size")
     if precomputed and any(precomputed[k] != getattr(args, k) for k in keys):
         vae, encoder, size = (precomputed[k] for k in keys)
@@ -91,7 +89,7 @@ def resume_or_record(run, args):
 
 
 def banner(run, args, precomputed):
-    """Rank 0's first line: the model, encoders, data, device, batch."""
+    """Rank 0's first line: model, encoders, data, device, batch."""
     total, active = count_params(run.model)
     batch = run.world * args.grad_accum * args.batch_size
     # MB; FSDP: this rank's shards
@@ -117,7 +115,7 @@ def banner(run, args, precomputed):
     print(" | ".join(parts))
 
 
-# ---- Checkpoints: written whole by rank 0, read into each rank's part ----
+# ---- Checkpoints ----
 def write_checkpoint(run, args, ckpt, tag):
     """Rank 0: ckpt.pt, atomically, the one before kept -> False on an OSError."""
     prev = os.path.join(args.out, PREV)
@@ -125,9 +123,8 @@ def write_checkpoint(run, args, ckpt, tag):
         atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
                      keep=prev if run.ckpt_step is not None else None)
     except OSError as e:
-        print(f"warning: checkpoint of step {run.step} not written ({e}); training goes on, "
-              f"the next save retries; the last written is step {run.ckpt_step}",
-              file=sys.stderr)
+        print(f"warning: checkpoint of step {run.step} not written ({e}); the next save "
+              f"retries (last written: step {run.ckpt_step})", file=sys.stderr)
         return False
     # old partitions go once ckpt.pt names the new one (ckpt.prev.pt: its own)
     if tag:
@@ -139,9 +136,7 @@ def write_checkpoint(run, args, ckpt, tag):
 
 
 def save_checkpoint(run, args):
-    """All ranks: rank 0 writes the whole model (--ep, FSDP: gathered)
-    -> False on every rank if an OSError stopped it."""
-    # DeepSpeed: each rank's optimizer partition first
+    """All ranks: rank 0 writes every state whole -> False on every rank on an OSError."""
     tag = f"step{run.step:06d}" if run.engine.partitioned else None
     if tag:
         folder = os.path.join(args.out, "deepspeed")
@@ -173,8 +168,7 @@ def save_checkpoint(run, args):
 
 
 def read_checkpoint(out, rank=0):
-    """-> (name, checkpoint): ckpt.pt, else ckpt.prev.pt; mapped, so each
-    tensor is read as it is loaded."""
+    """-> (name, checkpoint): ckpt.pt, else ckpt.prev.pt; mmap'd."""
     errors = []
     for name in (CKPT, PREV):
         try:
@@ -188,14 +182,13 @@ def read_checkpoint(out, rank=0):
             continue
         # moved aside, a damaged ckpt.pt never becomes ckpt.prev.pt
         if errors and rank == 0:
-            print(f"warning: {out}/{errors[0]}; resuming from {name} (step {ckpt['step']}) "
-                  "instead", file=sys.stderr)
+            print(f"warning: {out}/{errors[0]}; resuming from {name} (step {ckpt['step']})",
+                  file=sys.stderr)
             if os.path.exists(os.path.join(out, CKPT)):
                 os.replace(os.path.join(out, CKPT), os.path.join(out, "ckpt.bad.pt"))
         return name, ckpt
-    raise SystemExit(f"--resume: no readable checkpoint in {out} ({'; '.join(errors)}). Move "
-                     "the damaged files away and start afresh without --resume/--auto-resume, "
-                     f"or put a good checkpoint at {out}/{CKPT}")
+    raise SystemExit(f"--resume: no readable checkpoint in {out} ({'; '.join(errors)}): move "
+                     f"them away and start afresh, or put a good one at {out}/{CKPT}")
 
 
 def load_checkpoint(run, args):
@@ -218,25 +211,22 @@ def load_checkpoint(run, args):
                         for k, (a, b) in refused.items())
         names = ",".join(k.replace("_", "-") for k in refused)
         raise SystemExit(
-            "--resume: these flags differ from the checkpoint's, which would change the "
-            f"run:\n{lines}Pass the checkpoint's values, or accept the change with "
+            f"--resume: flags differ from the checkpoint's:\n{lines}Pass its values, or "
             f"--override {names} (README, faults: what each costs)")
     if architecture(ckpt["config"]) != architecture(run.config):
         raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the "
-                         f"flags' {run.config}; pass the original run's flags (saved in "
-                         f"{args.out}/args.json)")
+                         f"flags' {run.config}; pass its flags ({args.out}/args.json)")
     tag, dist_flag = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
     if (tag is not None) != run.engine.partitioned:
-        raise SystemExit(f"--resume: {path} was written by {saved_world} ranks with --dist "
-                         f"{dist_flag}: resume with --dist {dist_flag} on as many ranks")
-    # --ema 0: the EMA is the model
+        raise SystemExit(f"--resume: {path} was written with --dist {dist_flag}: resume "
+                         f"with --dist {dist_flag} on {saved_world} ranks")
     for k in ("model", "ema") if args.ema else ("model",):
         getattr(run, k).load_weights(run.engine.own_state(ckpt[k]), path)
     run.sched.load_state_dict(ckpt["sched"])
     if tag is None:
         run.opt.load_state_dict(run.engine.own_state(ckpt["opt"]))
     else:
-        # weights, fp32 partition, AdamW moments; the lr is the schedule's
+        # its weights and moments; the lr is the schedule's
         run.engine.ds.load_checkpoint(os.path.join(args.out, "deepspeed"), tag=tag,
                                       load_lr_scheduler_states=False)
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -246,10 +236,8 @@ def load_checkpoint(run, args):
     if resized:
         # split anew: the epoch restarts; the batch count (buckets' order) goes on
         old = data.Position(**ckpt["data"][0])
-        # every old rank's finished epochs' bad samples, counted once (the
-        # log sums the ranks')
+        # the old ranks' counts, on rank 0: the log sums the ranks'
         before = sum(p["skipped_before"] for p in ckpt["data"]) if run.rank == 0 else 0
-        # and every old rank's remote shards reopened and given up
         faults = {k: sum(p.get(k, 0) for p in ckpt["data"]) * (run.rank == 0)
                   for k in ("retries", "unreachable")}
         run.position = data.Position(
@@ -264,7 +252,7 @@ def load_checkpoint(run, args):
         run.sched.base_lrs = [args.lr] * len(run.sched.base_lrs)
         for g in run.opt.param_groups:
             g["lr"] = args.lr * run.sched.lr_lambdas[0](run.sched.last_epoch)
-    # another stream: the saved position means nothing there
+    # another stream: the saved position is void there
     if changed.keys() & set(DATA_FLAGS) and not resized:
         old = run.position
         run.position = data.Position(
@@ -274,8 +262,7 @@ def load_checkpoint(run, args):
 
 
 def new_world(run, args, ckpt, name):
-    """--override world: resume on another number of ranks (not ZeRO-2, --ep)
-    -> whether --grad-accum was set to keep the global batch."""
+    """--override world: another number of ranks -> whether the global batch is kept."""
     saved, saved_world = ckpt["args"], len(ckpt["data"])
     resized = saved_world != run.world
     where = f"--resume: {args.out}/{name} was written by {saved_world} ranks"
@@ -284,16 +271,15 @@ def new_world(run, args, ckpt, name):
                          f"a rank: resume it on {saved_world} ranks; a run that may change its "
                          "size trains with --dist fsdp")
     if resized and max(saved["ep"], args.ep) > 1:
-        raise SystemExit(f"{where} (--ep {saved['ep']}), this run has {run.world} with --ep "
-                         f"{args.ep}: expert parallelism resumes on {saved_world} ranks; a run "
-                         "that may change its size uses --dist fsdp")
+        raise SystemExit(f"{where} (--ep {saved['ep']}), this run has {run.world}: expert "
+                         f"parallelism resumes on {saved_world} ranks; a resizable run uses "
+                         "--dist fsdp")
     if "world" not in args.override:
         raise SystemExit(f"{where}, this run has {run.world}: resume on {saved_world} ranks, or "
-                         f"continue on {run.world} with --override world (every state loads "
-                         "whole; the epoch starts again)")
+                         f"continue on {run.world} with --override world (the epoch starts again)")
     global_batch = saved["batch_size"] * saved["grad_accum"] * saved_world
     accum, left = divmod(global_batch, args.batch_size * run.world)
-    # DeepSpeed's --grad-accum is fixed at its start
+    # DeepSpeed fixes --grad-accum at its start
     batch_kept = bool(accum and not left) and not run.engine.partitioned
     if batch_kept:
         args.grad_accum = run.engine.grad_accum = accum
@@ -304,13 +290,13 @@ def new_world(run, args, ckpt, name):
         f"it at --batch-size {args.batch_size} on {run.world} ranks")
     if run.rank == 0 and (resized or args.grad_accum != saved["grad_accum"]):
         print(f"--override world: {saved_world} -> {run.world} ranks; {batch_note}"
-              + "; the epoch it was in starts again" * resized)
+              + "; its epoch starts again" * resized)
     return batch_kept
 
 
 def init_weights(model, config, path, dev, rank):
     """--init: a checkpoint's EMA weights into the same model (reflow), or
-    into an --moe one from a dense one (moe.upcycle)."""
+    a dense one's upcycled into an --moe one."""
     parent = torch.load(path, map_location=dev, weights_only=True)
     DiT.check_layout(parent, path)
     if config["moe"] and not parent["config"]["moe"]:
@@ -330,7 +316,7 @@ def init_weights(model, config, path, dev, rank):
         print(note)
 
 
-# ---- Logs: log.jsonl and TensorBoard ----
+# ---- Logs ----
 def scalars(x, tag=""):
     """A record's numbers -> [(tag, number)], nesting flattened: 'eval/all'."""
     if isinstance(x, (dict, list)):
@@ -341,8 +327,8 @@ def scalars(x, tag=""):
 
 
 class RunLog:
-    """Rank 0's log.jsonl and TensorBoard events (where it is installed); a
-    resume hides those after its checkpoint's step: none is drawn twice."""
+    """Rank 0's log.jsonl and TensorBoard events; a resume hides those past
+    its checkpoint's step."""
 
     def __init__(self, out, resumed_at=None):
         self.jsonl = open(os.path.join(out, "log.jsonl"), "w" if resumed_at is None else "a")
@@ -350,7 +336,7 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(out, purge_step=None if resumed_at is None else resumed_at + 1)
         except ImportError:
-            print("no TensorBoard curves: pip install tensorboard (log.jsonl has the numbers)")
+            print("no TensorBoard: pip install tensorboard (log.jsonl has the numbers)")
             self.tb = None
 
     def write(self, record):
@@ -395,7 +381,6 @@ def log_step(run, args, out, signals, img_per_s, bar):
         # this step's update was skipped
         if in_a_row:
             record["bad_step"] = True
-        # per layer: load per expert, entropy, unused experts
         if args.moe:
             record.update(balance_loss=balance_sum / run.world,
                           routing=moe.routing_stats(run.model))
@@ -403,15 +388,13 @@ def log_step(run, args, out, signals, img_per_s, bar):
         bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{img_per_s:.0f}", bad=total)
     if longest >= args.max_bad_steps:
         finish(run, 1, f"stopping at step {run.step}: {longest} steps in a row had a non-finite "
-               f"loss or gradient norm (each skipped). The last checkpoint is {args.out}/"
-               f"{CKPT} at step {run.ckpt_step}: check the data, or resume from it with "
-               "a lower --lr (--override lr)")
+               f"loss or gradient norm; the last checkpoint is {args.out}/{CKPT} at step "
+               f"{run.ckpt_step}: check the data, or resume at a lower --lr (--override lr)")
     return stop > 0
 
 
 def skipped_on_all_ranks(run):
-    """All ranks: the bad samples skipped so far, summed over the ranks
-    (each reads its own shards)."""
+    """All ranks: the bad samples skipped so far, summed."""
     skipped = torch.tensor(run.position.skipped, device=run.dev)
     if run.world > 1:
         dist.all_reduce(skipped)
@@ -419,8 +402,7 @@ def skipped_on_all_ranks(run):
 
 
 def shard_faults_on_all_ranks(run):
-    """All ranks: remote shards reopened after a fault, and given up, so
-    far, summed over the ranks -> (retries, unreachable)."""
+    """All ranks: shards reopened and given up, summed -> (retries, unreachable)."""
     faults = torch.tensor([run.position.retries, run.position.unreachable], device=run.dev)
     if run.world > 1:
         dist.all_reduce(faults)
@@ -433,16 +415,14 @@ class Interrupted(BaseException):
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel,
-    requeue, torchrun). While `defer` is set the first is only noted: after
-    this step (one process) or the next log step (where the ranks agree)
-    every rank checkpoints and exits 0. Elsewhere, or at a second signal,
-    Interrupted is raised. A repeat within `same_event` s is one event
-    (Slurm signals each process, torchrun forwards). A rank whose launcher
-    died stops."""
+    """SIGUSR1 (Slurm's time-limit warning), SIGTERM (scancel, requeue,
+    torchrun). With `defer` set the first is noted: every rank checkpoints
+    and exits 0 after this step (several ranks: the next log step); else,
+    or at a second signal, Interrupted. A repeat within `same_event` s is
+    one event (Slurm signals each process, torchrun forwards). A rank
+    whose launcher died stops."""
 
-    # 10 s: a loaded machine's late copy is one event; a person's second
-    # signal rarely comes sooner
+    # 10 s: a loaded machine's late copy comes sooner, a person's second later
     def __init__(self, watch_launcher=False, same_event=10.0):
         self.caught, self.defer = [], False
         self.pid, self.first_at = os.getpid(), None
@@ -471,8 +451,8 @@ class StopSignals:
 
 
 def finish(run, code, error=None):
-    """Close the log; under torchrun check that the replicas agree (unless
-    on an `error`), leave -> the Run, or SystemExit(error or code)."""
+    """Close the log; check that the ranks agree (unless on an `error`),
+    leave -> the Run, or SystemExit(error or code)."""
     if run.log:
         run.log.close()
     if dist.is_initialized() and not error:

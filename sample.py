@@ -1,14 +1,11 @@
-"""sample.py -- prompts -> a PNG grid; --eval: held-out prompts drawn and
-scored (evaluate.py).
+"""sample.py -- prompts -> a PNG grid; --eval scores held-out prompts.
 
     python sample.py --ckpt out/run/ckpt.pt --prompt "a red circle in the top left" --n 8
-    python sample.py --ckpt out/run/ckpt.pt --eval --steps 8  # last line: JSON
-    python sample.py --ckpt out/moe/ckpt.pt --routing  # MoE heatmaps
-    python sample.py --ckpt out/run/ckpt.pt --pairs 4096 --steps 8 --out data/pairs  # reflow
+    python sample.py --ckpt out/run/ckpt.pt --eval --steps 8
+    python sample.py --ckpt out/moe/ckpt.pt --routing
+    python sample.py --ckpt out/run/ckpt.pt --pairs 4096 --steps 8 --out data/pairs
 
-Sampling is flow.generate on the EMA weights, decoded by the VAE for a
-latent model. Checkpoints load with weights_only=True: no pickled code
-runs.
+Checkpoints load with weights_only=True: no pickled code runs.
 """
 import argparse
 import json
@@ -41,17 +38,17 @@ def get_parser():
     a("--cfg", type=float, default=2.0, help="guidance scale w (1: none, 0: ignore the caption)")
     a("--seed", type=int, default=0, help="noise seed")
     a("--out", help="PNG path (default: next to the checkpoint)")
-    a("--pairs", type=int, metavar="N", help="reflow (flow.py): N (noise, sample, caption) "
-      "pairs into folder --out, for train.py --data OUT --init CKPT; rerun to resume")
+    a("--pairs", type=int, metavar="N", help="reflow: N (noise, sample, caption) pairs into "
+      "folder --out, for train.py --data OUT --init CKPT; a rerun resumes")
     a("--eval", action="store_true", help="score held-out prompts; last line: JSON")
     a("--eval-n", type=int, default=2, help="--eval: samples per prompt or name")
-    a("--real", help="--eval: raw {jpg|png, txt} shards (as train.py's --data: a folder, a URL, "
-      "pipe:...): FID and IS of their captions' samples")
+    a("--real", help="--eval: raw {jpg|png, txt} shards (as train.py's --data): FID and IS "
+      "of their captions' samples")
     a("--real-n", type=int, default=1000, help="--real: images (and samples); compare at one n")
     a("--features", default="inception", help="--real: 'inception' (torch-fidelity) or a "
       "TorchScript file: uint8 (N,3,H,W) -> features or (features, logits)")
     a("--inception-weights", help="Inception's weights (default: $TORCH_HOME/hub/checkpoints/)")
-    a("--clip-model", help="--eval: CLIPScore with this CLIP (hub id, or a folder)")
+    a("--clip-model", help="--eval: CLIPScore with this CLIP (hub id or folder)")
     a("--routing", action="store_true", help="MoE: expert-choice heatmaps (PNG)")
     a("--raw", action="store_true", help="use the raw weights, not the EMA")
     a("--batch", type=int, default=256, help="prompts per sampling batch")
@@ -62,10 +59,9 @@ def get_args(argv=None):
     p = get_parser()
     args = p.parse_args(argv)
     if not args.ckpt or not os.path.exists(args.ckpt):
-        p.error(f"--ckpt {args.ckpt}: no such file; train first (python train.py) "
-                "or pass <out>/ckpt.pt")
+        p.error(f"--ckpt {args.ckpt}: no such file; pass train.py's <out>/ckpt.pt")
     if args.pairs and not args.out:
-        p.error("--pairs N: name their folder with --out, e.g. --out data/pairs")
+        p.error("--pairs N: name their folder with --out")
     if (args.real or args.clip_model) and not args.eval:
         p.error("--real and --clip-model are scores: add --eval")
     if args.size:
@@ -76,19 +72,18 @@ def get_args(argv=None):
     return args
 
 
-# ---- Sampling: the checkpoint's weights through the Euler sampler ----
+# ---- Sampling ----
 def load(path, raw=False):
     """Checkpoint -> (eval-mode model, frozen text encoder, training args);
     model.vae: the frozen VAE or None."""
     dev = device()
     ckpt = torch.load(path, map_location=dev, weights_only=True)
     DiT.check_layout(ckpt, path)
-    # the MoE dispatch for this device
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)
     model.load_weights(ckpt["model" if raw else "ema"], path)
     targs = ckpt["args"]
     model.vae = load_vae(targs["vae"], dev)
-    # sample on the time grid it was trained on
+    # the time grid it was trained on
     model.t_shift = targs["t_shift"]
     model.buckets = ckpt["buckets"]  # [(W, H)], or None: square
     model.eval().requires_grad_(False)
@@ -130,20 +125,20 @@ def save_grid(images, path, nrow=8, scale=2):
     atomic_write(path, lambda f: grid.resize(big, Image.NEAREST).save(f, "PNG"))
 
 
-# ---- Held-out prompts drawn and scored: --eval, train.py's grids ----
+# ---- Held-out prompts: --eval, train.py's grids ----
 def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, shift=1.0,
                   fid=False, judge=True, batch=256, size=None):
     """Every held-out prompt, or name of a names set, n_each times -> grid
     PNG, (scores, uint8 samples, captions). size: (W, H), or buckets in
-    turn. grid None: only draw (train.py's FSDP ranks but the first)."""
+    turn. grid None: only draw (train.py's other FSDP ranks)."""
     if isinstance(size, (list, dict)):
-        # each bucket in turn: "WxH" -> (scores, fake, captions)
+        # "WxH" -> (scores, fake, captions)
         runs = {"%dx%d" % b: score_heldout(
             model, encoder, vae, names, grid and grid.replace(".png", "_%dx%d.png" % b),
             n_each, steps, cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
         each, fakes, captions = zip(*runs.values())
         scores = None
-        # the mean over the buckets, and each bucket's own
+        # the buckets' mean, and each bucket's own
         if all(each):
             scores = {k: sum(s[k] for s in each) / len(runs) for k in each[0]}
             scores.update(zip(runs, each))
@@ -175,12 +170,12 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
     return scores and dict(scores, straightness=straightness.mean().item()), fake, captions
 
 
-# ---- Reflow's pairs: the model's own (noise, picture) couplings ----
+# ---- Reflow's pairs ----
 @torch.no_grad()
 def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
     """(noise, the model's sample, caption) -> shards as data.py precompute
-    writes them, plus noise.npy; `about` -> precompute.json. Shard k, from
-    noise(seed + k * batch), is named once whole: a rerun skips it."""
+    writes them, plus noise.npy; `about` -> precompute.json. A shard is
+    named once whole: a rerun skips it."""
     os.makedirs(out, exist_ok=True)
     data.write_json(os.path.join(out, "precompute.json"), about)
 
@@ -205,8 +200,8 @@ def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
                             "noise.npy": f16(eps[j]), "text.npy": f16(text[j, :n]),
                             "mask.npy": mask[j, :n].cpu().numpy(), "txt": caption})
         os.replace(shard(first) + ".tmp", shard(first))
-    print(f"{len(captions)} pairs in {out}: train on them with "
-          f"python train.py --data {out} --init {about['pairs']}")
+    print(f"{len(captions)} pairs in {out}: python train.py --data {out} "
+          f"--init {about['pairs']}")
 
 
 def main(argv=None):
@@ -221,8 +216,7 @@ def main(argv=None):
         old = data.read_json(os.path.join(args.out, "precompute.json"))
         if old not in (None, about):
             raise SystemExit(f"{args.out} holds pairs drawn with {old}; "
-                             "rerun with those flags, or write a new folder")
-        # the run's own captions, shuffled, repeated up to N
+                             "rerun with those flags, or another --out")
         shards = data.resolve_shards(source, image_size)
         captions = [s["txt"].decode() for s in data.read_tars(shards)]
         random.Random(args.seed).shuffle(captions)
@@ -251,7 +245,7 @@ def main(argv=None):
         fake = samples_of([p for p in prompts for _ in range(args.n)])
         path = args.out or os.path.join(beside, "samples.png")
         save_grid([to_pil(x) for x in fake], path, nrow=args.n)
-        return print(f"{len(fake)} samples ({len(prompts)} prompts x {args.n}, one row each)"
+        return print(f"{len(fake)} samples ({len(prompts)} prompts x {args.n})"
                      f" -> {path}")
     # scorers first: a missing one fails before sampling
     nets = evaluate.feature_nets(args.features, args.inception_weights) if args.real else None
@@ -267,16 +261,15 @@ def main(argv=None):
         evaluate.print_scores(scores, len(fake), how)
         scores["n"] = len(fake)
     elif not (args.real or args.clip_model):
-        raise SystemExit("--eval: no judge for this data (only for built-in shapes and "
-                         "names sets); pass --real and/or --clip-model")
-    # FID/IS: samples of the real captions against the real images
+        raise SystemExit("--eval: no judge for this data (built-in shapes, names sets): "
+                         "pass --real and/or --clip-model")
     if args.real:
         real, captions = evaluate.real_images(args.real, image_size, args.real_n, args.seed)
         fake = samples_of(captions)
         scores.update(evaluate.fid_is(real, fake, nets, args.batch), n_real=len(real))
         print(f"FID {scores['fid']:.2f}, IS {scores['inception_score']:.2f} +- "
               f"{scores['inception_score_std']:.2f}: {len(real)} real images of "
-              f"{data.masked(args.real)} and as many samples of their captions ({args.features})")
+              f"{data.masked(args.real)} vs samples of their captions ({args.features})")
     # CLIPScore of the samples above, else of --prompt's
     if args.clip_model:
         if fake is None and not args.prompt:
@@ -290,7 +283,7 @@ def main(argv=None):
     return scores
 
 
-# ==== What a first read may skip: the names grid, routing maps ====
+# ==== A first read may skip the rest ====
 def names_grid(fake, want, real, path, cols=12, blocks=2):
     """`blocks` x `cols` names of the set: real picture above first sample."""
     # name -> its first sample
@@ -323,7 +316,7 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
               "colour": list(data.COLORS), "shape": data.SHAPES}
     counts = {key: torch.zeros(L, len(ticks), E) for key, ticks in labels.items()}
     counts["position"] = torch.zeros(L, E, n * n)
-    # each prompt's row in the colour and shape tables
+    # each prompt's colour and shape rows
     row_of = {key: torch.tensor([labels[key].index(a[attr]) for _, a in prompts])
               for key, attr in (("colour", "color"), ("shape", "shape"))}
     g = torch.Generator().manual_seed(seed)
@@ -342,7 +335,7 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
         # each expert's share of a row's (or patch's) tokens
         frac = table / table.sum(1 if key == "position" else -1, keepdim=True)
         if key == "position":
-            # a map per (layer, expert): where on the image it is chosen
+            # where on the image each (layer, expert) is chosen
             fig, axes = plt.subplots(L, E, figsize=(1.2 * E, 1.3 * L), squeeze=False)
             maps = frac.view(L * E, n, n)
             for i, ax in enumerate(axes.flat):

@@ -1,10 +1,10 @@
 """train.py -- train the MM-DiT with rectified flow; `python train.py` is
-the whole CPU demo. nanoGPT's order: flags, set-up (the Run), the step,
-the loop; after one banner, what a first read may skip.
+the whole CPU demo. Flags, set-up (the Run), the step, the loop; after one
+banner, what a first read may skip.
 
-engine.py puts one process, DDP, ZeRO-2 and FSDP2 (torchrun, --dist)
-behind the calls the step makes; runfolder.py keeps checkpoints (resume
-is exact: they hold every state), logs, stop signals and exits.
+engine.py puts one process, DDP, ZeRO-2 and FSDP2 behind the step's calls;
+runfolder.py keeps checkpoints (every state: resume is exact), logs, stop
+signals and exits.
 """
 import argparse
 import copy
@@ -311,9 +311,9 @@ def train_step(run, args, micro_batches, mark=None):
         balance = balance + balance_i.detach() / len(micro_batches)
         t.append(t_all[rows])
         per_sample.append(per_sample_i.detach())
-    # clip, update (not on a bad step), clear the gradients
-    # for the log: this step's lr
+    # for the log: the lr this step runs at
     lr = run.opt.param_groups[0]["lr"]
+    # clip, update (not on a bad step), clear the gradients
     grad_norm, bad_step = run.engine.step(loss + balance)
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)
     run.sched.step()
