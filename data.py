@@ -903,7 +903,7 @@ def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
                     shards=shards, buckets=+counts, skipped=skipped)
     write_json(os.path.join(out, "manifest.json"), manifest)
     print(f"{manifest['samples']} images -> {len(shards)} shards in {out}; {len(skipped)} skipped"
-          + "".join(f"\n  bucket {k}: {v}" for k, v in sorted(counts.items()))
+          + "".join(f"\n  bucket {k}: {v}" for k, v in sorted((+counts).items()))
           + "".join(f"\n  skipped {s['path']}: {s['reason']}" for s in skipped))
     return manifest
 

@@ -255,17 +255,17 @@ def stack_uint8(images, size):
 def real_images(shards, size, n, seed=0):
     """n pictures of raw shards (shuffled, bad ones skipped) ->
     (uint8 (n, 3, size, size), their captions)."""
-    images, captions = [], []
+    images, captions, where = [], [], data.masked(shards)
     for b in data.ShardStream(data.resolve_shards(shards, size), 1, size, seed=seed):
         if "image" not in b:
-            raise SystemExit(f"--real {shards!r}: precomputed shards hold no images; "
+            raise SystemExit(f"--real {where!r}: precomputed shards hold no images; "
                              "pass raw {jpg|png, txt} shards")
         images.append(b["image"][0])
         captions.append(b["caption"][0])
         if len(images) == n:
             break
     if len(images) < 2:
-        raise SystemExit(f"--real {shards!r}: {len(images)} real image(s); FID needs 2 or more")
+        raise SystemExit(f"--real {where!r}: {len(images)} real image(s); FID needs 2 or more")
     return as_uint8(torch.stack(images)), captions
 
 

@@ -376,18 +376,20 @@ def flops_per_step(run, args, batch):
     for m in impls:
         m.impl = "sorted"
     run.engine.forward = run.model if args.compile else forward
-    with FlopCounterMode(display=False) as counter:
-        train.train_step(run, args, [train.encode_batch(run, batch)] * args.grad_accum)
-    for m, impl in impls.items():
-        m.impl = impl
-    run.engine.forward = forward
+    try:
+        with FlopCounterMode(display=False) as counter:
+            train.train_step(run, args, [train.encode_batch(run, batch)] * args.grad_accum)
+    finally:
+        for m, impl in impls.items():
+            m.impl = impl
+        run.engine.forward = forward
     return counter.get_total_flops()
 
 
 def loader_alone(args):
     """The loader alone -> images/s, seconds to the first batch."""
     shards, B = data.resolve_shards(args.data, args.image_size), args.batch_size
-    t0, n = time.perf_counter(), 0
+    t0, n, first = time.perf_counter(), 0, None
     loader = data.make_loader(shards, B, args.image_size, args.seed, 0, workers=args.workers)
     for i, _ in enumerate(loader):
         if i == 0:
@@ -396,6 +398,10 @@ def loader_alone(args):
             n += B
         else:
             break
+    # the first batch is not timed: it holds the start-up
+    if not n:
+        raise SystemExit(f"dataloader: {args.data} gave {0 if first is None else 1} batch(es) "
+                         f"of --batch-size {B}; timing needs 2: lower it or add data")
     return dict(loader_img_per_s=n / (time.perf_counter() - t0), loader_first_batch_s=first)
 
 

@@ -123,8 +123,9 @@ def write_checkpoint(run, args, ckpt, tag):
         atomic_write(os.path.join(args.out, CKPT), lambda f: torch.save(ckpt, f),
                      keep=prev if run.ckpt_step is not None else None)
     except OSError as e:
+        last = "none yet" if run.ckpt_step is None else f"step {run.ckpt_step}"
         print(f"warning: checkpoint of step {run.step} not written ({e}); the next save "
-              f"retries (last written: step {run.ckpt_step})", file=sys.stderr)
+              f"retries (last written: {last})", file=sys.stderr)
         return False
     # old partitions go once ckpt.pt names the new one (ckpt.prev.pt: its own)
     if tag:
@@ -267,9 +268,10 @@ def new_world(run, args, ckpt, name):
     resized = saved_world != run.world
     where = f"--resume: {args.out}/{name} was written by {saved_world} ranks"
     if resized and (ckpt["deepspeed_tag"] is not None or run.engine.partitioned):
-        raise SystemExit(f"{where} with --dist deepspeed, whose optimizer state is a partition "
-                         f"a rank: resume it on {saved_world} ranks; a run that may change its "
-                         "size trains with --dist fsdp")
+        raise SystemExit(f"{where} with --dist {saved['dist']}; ZeRO-2 resumes only its own "
+                         f"checkpoints, on as many ranks: resume with --dist {saved['dist']} on "
+                         f"{saved_world} ranks; a run that may change its size trains with "
+                         "--dist fsdp")
     if resized and max(saved["ep"], args.ep) > 1:
         raise SystemExit(f"{where} (--ep {saved['ep']}), this run has {run.world}: expert "
                          f"parallelism resumes on {saved_world} ranks; a resizable run uses "

@@ -1613,7 +1613,7 @@ def stripes(w, h, colours):
     return img
 
 
-def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
+def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path, capsys):
     src, R, G, B = tmp_path / "imgs", (255, 0, 0), (0, 255, 0), (0, 0, 255)
     src.mkdir()
     # wide 3:1 -> shrunk to 96 x 32 (bicubic), centre crop =
@@ -1628,6 +1628,8 @@ def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path):
         (src / f"{n}.txt").write_text(f"caption of {n}")
     m = data.write_shards(str(src), str(tmp_path / "out"), size=32, per_shard=1)
     assert m["samples"] == 2 and [s["samples"] for s in m["shards"]] == [1, 1]
+    # squares: no bucket counts printed
+    assert "bucket" not in capsys.readouterr().out
     skipped = sorted(os.path.basename(s["path"]) for s in m["skipped"])
     assert skipped == ["c_small.png", "d_corrupt.jpg", "e_nocaption.png"]
     got = [
@@ -2115,6 +2117,10 @@ def test_a_urls_password_and_query_token_are_masked_in_all_the_run_prints_and_sa
         # a resume compares the masked flags: the same URL resumes
         flags = REMOTE_RUN + ["--data", secret, "--steps", "2", "--out", str(tmp_path)]
         train.main(flags + ["--resume", "--override", "steps"])
+        # sample.py --real's errors name the URL masked
+        with pytest.raises(SystemExit, match=r"ann:\*\*\*@.*FID needs 2") as e:
+            evaluate.real_images(secret, 16, 1)
+        assert "s3cret" not in str(e.value) and "t0k3n" not in str(e.value)
     said = capfd.readouterr()
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 2
@@ -2137,6 +2143,9 @@ def test_profile_compare_over_data_serves_the_folders_shards_from_loopback(local
     assert over_http == [s["__key__"] for s in data.read_tars(data.resolve_shards(folder, 16))]
     with prof.loopback(args, "moe", ["0", "8"]) as served:
         assert served == {}
+    big = prof.get_args(["--data", folder, "--image-size", "16", "--batch-size", "4096"])
+    with pytest.raises(SystemExit, match="gave 0 batch"):
+        prof.loader_alone(big)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -3795,9 +3804,9 @@ def test_resume_refuses_another_model_or_a_world_size_it_cannot_take(tmp_path, c
     ckpt["data"] = ckpt["data"] * 2
     for changed, refused in (
         (
-            dict(deepspeed_tag="step000002"),
-            "--dist deepspeed, whose optimizer state is "
-            "a partition a rank: resume it on 2 ranks; a run that may change its size trains with "
+            dict(deepspeed_tag="step000002", args=dict(ckpt["args"], dist="deepspeed")),
+            "--dist deepspeed; ZeRO-2 resumes only its own checkpoints, on as many ranks: resume "
+            "with --dist deepspeed on 2 ranks; a run that may change its size trains with "
             "--dist fsdp",
         ),
         (dict(args=dict(ckpt["args"], ep=2)), "expert parallelism resumes on 2 ranks"),
@@ -4337,6 +4346,7 @@ def test_oserror_saving_a_checkpoint_or_png_warns_and_goes_on_and_a_lost_final_o
     err = capsys.readouterr().err
     assert (
         "checkpoint of step 2 not written" in err
+        and "last written: none yet" in err
         and "No space left" in err
         and "sample grid" in err
     )
