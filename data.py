@@ -249,6 +249,9 @@ def resolve_shards(data, image_size):
     if data in (BUILTIN, MIXED):
         name = f"shapes{image_size}{'-mixed' if data == MIXED else ''}-v{VERSION}"
         return make_builtin(os.path.join("data", name), size=image_size, mixed=data == MIXED)
+    if "gs://" in data and not shutil.which("gsutil"):
+        raise SystemExit("--data gs://: read through gsutil, not found on PATH: install the "
+                         "Google Cloud CLI, or pass https://storage.googleapis.com/ URLs")
     if os.path.isdir(data):
         shards = tars(data)
     elif is_folder_url(data):

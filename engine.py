@@ -125,13 +125,13 @@ class FSDPEngine(Engine):
         world = dist.get_world_size()
         mesh = torch.distributed.device_mesh.init_device_mesh(dev, (world,))
         half = MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32)
+        # --moe: experts are stacked tensors, so all ranks reduce-scatter the same ones
         for m in models:
             # the root too: between steps no rank holds anything whole
             for module in [*m.blocks, m]:
                 bf16_here = bf16 and m is models[0] and module is not m
                 policy = half if bf16_here else MixedPrecisionPolicy()
                 fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-        # --moe: experts are stacked: all ranks reduce-scatter the same tensors
 
     def micro_batch(self, last):
         """Until the last micro-batch, the whole gradients accumulate."""

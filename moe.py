@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# grouped GEMM: each expert's rows padded to a multiple (16 bytes in bf16, fp8)
+# grouped GEMM wants each expert's rows to span a multiple of 16 bytes:
+# 16 rows do in fp8 and bf16
 ALIGN = 16
 
 

@@ -67,6 +67,11 @@ ATTENTION_WORDS = ("attention", "fmha", "flash", "cudnn")
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 4090": 165}
 
 
+def peak_tflops(args, device_name):
+    """--peak-tflops, else the table's entry for this device; None: unknown."""
+    return args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
 # ---- Flags ----
 def get_parser():
     p = train.get_parser()
@@ -255,8 +260,7 @@ def measure(args):
         res["communication_share"] = res["communication_ms"] / res["step_ms"]
     res["flops_per_step"] = flops_per_step(run, args, batch)
     res["achieved_tflops"] = res["flops_per_step"] / (res["step_ms"] / 1e3) / 1e12
-    peak = args.peak_tflops or next(
-        (v for k, v in PEAK_TFLOPS.items() if k in res["device"]), None)
+    peak = peak_tflops(args, res["device"])
     res["mfu"] = res["achieved_tflops"] / peak if peak else None
     os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
     if args.trace:
@@ -552,8 +556,7 @@ def summary(value, row, ref):
 def suite(args):
     """Each claim's ratio table, then its CLAIMS.md row."""
     gpu = device() == "cuda"
-    peak = args.peak_tflops or next(
-        (v for k, v in PEAK_TFLOPS.items() if gpu and k in torch.cuda.get_device_name()), None)
+    peak = peak_tflops(args, torch.cuda.get_device_name() if gpu else "")
     repeats = args.repeats or (2 if gpu else 1)
     chosen = CLAIMS if args.claims == "all" else args.claims.split(",")
     if set(chosen) - set(CLAIMS):

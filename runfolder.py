@@ -43,9 +43,12 @@ def holds_checkpoint(out):
     return any(os.path.exists(os.path.join(out, f)) for f in (CKPT, PREV))
 
 
-def architecture(config):
-    """A model config less how it computes."""
-    return {k: v for k, v in config.items() if k not in ("attn", "moe_impl")}
+def model_differences(saved, config):
+    """A checkpoint's model config against `config`, less how each computes:
+    'width 192 there, 64 here, ...', or '' for the same model."""
+    how = ("attn", "moe_impl")
+    return ", ".join(f"{k} {v} there, {config.get(k)} here" for k, v in saved.items()
+                     if k not in how and config.get(k) != v)
 
 
 # ---- The run folder ----
@@ -214,9 +217,9 @@ def load_checkpoint(run, args):
         raise SystemExit(
             f"--resume: flags differ from the checkpoint's:\n{lines}Pass its values, or "
             f"--override {names} (README, faults: what each costs)")
-    if architecture(ckpt["config"]) != architecture(run.config):
-        raise SystemExit(f"--resume: the checkpoint's model {ckpt['config']} differs from the "
-                         f"flags' {run.config}; pass its flags ({args.out}/args.json)")
+    if differ := model_differences(ckpt["config"], run.config):
+        raise SystemExit(f"--resume: the checkpoint holds another model ({differ}); pass "
+                         f"its flags ({args.out}/args.json)")
     tag, dist_flag = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
     if (tag is not None) != run.engine.partitioned:
         raise SystemExit(f"--resume: {path} was written with --dist {dist_flag}: resume "
@@ -306,11 +309,8 @@ def init_weights(model, config, path, dev, rank):
         note = (f"upcycled from {path}: {copied} tensors copied, every expert = the dense "
                 "MLP, routers fresh")
     else:
-        differ = {k: (v, config[k]) for k, v in architecture(parent["config"]).items()
-                  if config[k] != v}
-        if differ:
-            what = ", ".join(f"{k} {a} there, {b} here" for k, (a, b) in differ.items())
-            raise SystemExit(f"--init {path}: another model ({what}): pass its flags (its "
+        if differ := model_differences(parent["config"], config):
+            raise SystemExit(f"--init {path}: another model ({differ}): pass its flags (its "
                              "args.json), or --moe E to upcycle a dense one")
         model.load_weights(parent["ema"], path)
         note = f"initialised from {path}: its EMA weights"

@@ -64,6 +64,9 @@ def get_args(argv=None):
         p.error("--pairs N: name their folder with --out")
     if (args.real or args.clip_model) and not args.eval:
         p.error("--real and --clip-model are scores: add --eval")
+    if args.size and (args.pairs or args.routing):
+        p.error("--size draws samples and --eval; --pairs and --routing use the "
+                "training size: drop --size")
     if args.size:
         wh = args.size.lower().split("x")
         if len(wh) != 2 or not all(v.isdigit() and int(v) > 0 for v in wh):
@@ -135,7 +138,7 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
         # "WxH" -> (scores, fake, captions)
         runs = {"%dx%d" % b: score_heldout(
             model, encoder, vae, names, grid and grid.replace(".png", "_%dx%d.png" % b),
-            n_each, steps, cfg, seed, shift, fid, judge, batch, tuple(b)) for b in size}
+            n_each, steps, cfg, seed, shift, fid, judge, batch, b) for b in map(tuple, size)}
         each, fakes, captions = zip(*runs.values())
         scores = None
         # the buckets' mean, and each bucket's own
