@@ -1,5 +1,5 @@
 """data.py -- what the model eats: built-in shapes, images <-> tensors,
-WebDataset streaming (local or remote), files; the offline tools.
+WebDataset streaming; the offline tools.
 
     python data.py shards SRC OUT --size 256   # captioned images -> shards
     python data.py emoji OUT                   # named pictures, offline
@@ -24,6 +24,7 @@ import os
 import pathlib
 import random
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -43,7 +44,7 @@ from tqdm import tqdm
 
 import model
 
-# ---- The built-in dataset: coloured shapes at named positions ----------------
+# ---- The built-in dataset: coloured shapes ----
 COLORS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 240),
           "yellow": (240, 220, 40), "purple": (170, 60, 220), "white": (235, 235, 235)}
 SHAPES = ["circle", "square", "triangle"]
@@ -132,7 +133,7 @@ def make_builtin(root, size=32, n_shards=16, per_shard=1500, seed=0, mixed=False
     return make_builtin(root, size, n_shards, per_shard, seed, mixed)
 
 
-# ---- Images <-> tensors ------------------------------------------------------
+# ---- Images <-> tensors ----
 # transparent pixels become white: the page an emoji sits on
 BACKGROUND = (255, 255, 255)
 
@@ -145,15 +146,15 @@ def open_image(src):
 
 
 def encoded(img, fmt, **kw):
-    """PIL image -> the bytes of a `fmt` file ("PNG", "JPEG"; kw: quality)."""
+    """PIL image -> the bytes of a `fmt` file."""
     buf = io.BytesIO()
     img.save(buf, fmt, **kw)
     return buf.getvalue()
 
 
 def to_rgb(img):
-    """Any image -> upright RGB: EXIF rotation applied (phones store
-    portraits sideways), transparency onto BACKGROUND, 16 bits to 8."""
+    """Any image -> upright RGB: EXIF rotation applied, transparency onto
+    BACKGROUND, 16 bits to 8."""
     img = ImageOps.exif_transpose(img)
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):
         # convert("RGB") would clip 16-bit values at 255
@@ -166,8 +167,8 @@ def to_rgb(img):
 
 
 def cover_crop(img, size):
-    """to_rgb, resize (bicubic) to cover `size` (a side or (W, H)), crop the
-    centre: the one crop everywhere."""
+    """to_rgb, resize to cover `size` (a side or (W, H)), crop the centre:
+    the one crop everywhere."""
     img, (w, h) = to_rgb(img), (size, size) if isinstance(size, int) else size
     if img.size != (w, h):
         s = max(w / img.width, h / img.height)
@@ -179,7 +180,7 @@ def cover_crop(img, size):
 
 
 def to_tensor(img, size):
-    """PIL image -> (3, H, W) float in [-1, 1] of `size` (via cover_crop)."""
+    """PIL image -> (3, H, W) float in [-1, 1] of `size`."""
     pixels = torch.from_numpy(np.asarray(cover_crop(img, size)).copy())
     return pixels.permute(2, 0, 1).float() / 127.5 - 1
 
@@ -195,7 +196,7 @@ def to_pil(x):
     return Image.fromarray(x.permute(1, 2, 0).cpu().numpy())
 
 
-# ---- Aspect-ratio buckets: one picture shape per batch (SDXL) ----------------
+# ---- Aspect-ratio buckets: one picture shape per batch (SDXL) ----
 # width / height, portrait 1:2 to landscape 2:1
 RATIOS = (1 / 2, 2 / 3, 1, 3 / 2, 2)
 
@@ -228,14 +229,14 @@ def bucket_shares(shards, size, multiple):
     return dict(sorted(shares.items())) or None
 
 
-# ---- Streaming: shards -> samples -> shuffle buffer -> batches ---------------
+# ---- Streaming: shards -> samples -> shuffle buffer -> batches ----
 # what read_tars downloads rather than opens
 REMOTE = ("http://", "https://", "gs://", "pipe:")
-# --retries' default: reopenings of a failed remote shard
+# --retries' default
 RETRIES = 3
 # seconds before the first reopening, doubled for each next
 BACKOFF = 1.0
-# seconds of silence before an HTTP connection counts as cut
+# seconds of silence before a connection or a client counts as cut
 TIMEOUT = 60
 
 
@@ -267,9 +268,8 @@ def resolve_shards(data, image_size):
     if not shards or not all(os.path.exists(s) for s in local):
         raise SystemExit(
             f"--data {masked(data)!r}: no .tar shards found; pass a folder, .tar paths or "
-            f"URLs (comma-separated or a brace pattern x-{{00..99}}.tar), a folder URL ending "
-            f"in / with a manifest.json, 'pipe:CMD' (CMD writes a shard to stdout), "
-            f"'{BUILTIN}' or '{MIXED}'")
+            f"URLs (comma-separated or x-{{00..99}}.tar), a folder URL ending in /, "
+            f"'pipe:CMD', '{BUILTIN}' or '{MIXED}'")
     return shards
 
 
@@ -292,8 +292,7 @@ def worker_shards(shards, seed, epoch, rank, world, worker, n_workers):
 
 def read_tars(urls, handler=wds.reraise_exception, retries=0, faults=None):
     """Shards -> their samples {__key__, __url__, ext: bytes}, in order;
-    handler(error) -> go on to the next shard? A remote shard that stays
-    unreachable is skipped, warned of and counted in `faults`."""
+    handler(error) -> go on to the next shard?"""
     faults = Faults() if faults is None else faults
     for url in urls:
         try:
@@ -350,7 +349,7 @@ def decode(s, sizes):
     """Tar sample -> {image (3, H, W), caption, bucket (of `sizes`)} or
     precomputed {latent, text, mask, (noise)}; None for a bad one."""
     try:
-        # `data.py precompute` ran the frozen encoders; noise: reflow's pairs
+        # noise: reflow's pairs
         if "latent.npy" in s:
             keys = ("latent", "text", "mask") + ("noise",) * ("noise.npy" in s)
             arr = {k: torch.from_numpy(np.load(io.BytesIO(s[k + ".npy"]))) for k in keys}
@@ -395,9 +394,8 @@ def collate(items):
 
 class ShardStream(torch.utils.data.IterableDataset):
     """One epoch of one rank's batches: collate()'s dicts, each with its
-    loader worker's record (Position.workers):
+    loader worker's record:
 
-        worker   the loader worker that made it
         batches  batches it made this epoch
         raw      tar samples it read, bad ones included
         skipped  bad samples and unreadable tar data
@@ -429,8 +427,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return self.sizes[min(i, len(self.sizes) - 1)]
 
     def __iter__(self):
-        """This worker's samples, shuffled, decoded, pooled per bucket ->
-        batches, each from the pool of its number's bucket."""
+        """This worker's batches, each from the pool of its number's bucket."""
         info, B = torch.utils.data.get_worker_info(), self.batch_size
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
         self.epoch, self.batches_before = self.epoch_start[:]
@@ -473,7 +470,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # the pools' rest is dropped: an epoch ends where a bucket runs dry
 
     def unreadable(self, exn):
-        """read_tars' handler: warn of and count a bad tar, read on."""
+        """read_tars' handler: count a bad tar, read on."""
         self.skipped += 1
         warnings.warn(f"skipping unreadable shard data: {masked(repr(exn))}")
         return True
@@ -523,8 +520,7 @@ def leave_stops_to_rank(worker_id):
 # registered after multiprocessing's exit handler, so it runs first
 @atexit.register
 def kill_workers():
-    """Kill the loader workers at exit: they ignore multiprocessing's TERM,
-    and one left waiting would hang the exit."""
+    """Kill the loader workers at exit: they ignore multiprocessing's TERM."""
     # torch's handler would report each as an error
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for p in multiprocessing.active_children():
@@ -597,13 +593,12 @@ def no_batch_message(shards, batch_size, seed, epoch, rank, world, workers):
                 f"CMD by hand)")
     return (f"epoch {epoch} gave rank {rank} no batch of --batch-size {batch_size}: its "
             f"{n_workers} loader worker(s) read {', '.join(map(str, counts))} samples of "
-            f"{len(shards)} shards over {world} rank(s); each batches its own, bad ones "
-            f"dropped. Use --batch-size {max(1, max(counts))} or less, fewer --workers or "
-            f"ranks, or more data.")
+            f"{len(shards)} shards over {world} rank(s). Use --batch-size "
+            f"{max(1, max(counts))} or less, fewer --workers or ranks, or more data.")
 
 
-# ==== A first read may skip the rest: shards over a network, files, tools =====
-# ---- Shards over a network: HTTP(S), gs://, any store's client ---------------
+# ==== A first read may skip the rest ====
+# ---- Shards over a network ----
 @dataclass
 class Faults:
     """What read_tars met over a network."""
@@ -623,19 +618,26 @@ class ShardCut(OSError):
 class Download:
     """A remote file as a file object, read as it arrives."""
 
-    def __init__(self, url, timeout=TIMEOUT):
-        self.url, self.process, self.response = url, None, None
+    def __init__(self, url):
+        self.url, self.process, self.response, self.stalled = url, None, None, False
         if url.startswith(("http://", "https://")):
-            self.response = urllib.request.urlopen(http_request(url), timeout=timeout)
+            self.response = urllib.request.urlopen(http_request(url), timeout=TIMEOUT)
             self.stream = self.response
         else:
-            # gs:// as webdataset opens it; pipe:'s command in a shell
+            # gs:// as webdataset opens it; pipe:'s command in a shell, in a
+            # process group of its own: a stalled one is killed whole
             cmd = ["gsutil", "cat", url] if url.startswith("gs://") else url[len("pipe:"):]
-            self.process = subprocess.Popen(cmd, shell=isinstance(cmd, str),
-                                            stdout=subprocess.PIPE)
+            self.process = subprocess.Popen(cmd, shell=isinstance(cmd, str), bufsize=0,
+                                            stdout=subprocess.PIPE, start_new_session=True)
             self.stream = self.process.stdout
 
     def read(self, n=-1):
+        if n < 0:
+            return b"".join(iter(lambda: self.read(1 << 16), b""))
+        # a pipe has no socket timeout: wait for its bytes TIMEOUT s at most
+        if self.process and not select.select([self.stream], [], [], TIMEOUT)[0]:
+            self.stalled = True
+            raise TimeoutError(f"its client wrote nothing for {TIMEOUT:g} s")
         chunk = self.stream.read(n)
         if not chunk and n:
             self.check_whole()
@@ -656,9 +658,10 @@ class Download:
         # a tar ends before its padding: the client may still be writing
         if self.process:
             try:
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=0 if self.stalled else 5)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
 
     def __enter__(self):
@@ -784,10 +787,10 @@ def shard_name(shard):
     return shard.rpartition("/")[2]
 
 
-# ---- Files and JSON ----------------------------------------------------------
+# ---- Files, JSON, the offline tools ----
 def atomic_write(path, write, keep=None):
-    """write(f) to path.tmp, fsync, rename over `path` (the old to `keep`):
-    a crash leaves the old file or the new, never a torn one."""
+    """write(f) to `path` (the old to `keep`): a crash leaves the old file
+    or the new, never a torn one."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -820,7 +823,7 @@ def read_json(path):
 
 
 def write_json(path, value):
-    """value -> path as JSON (indent 1: readable, diffable)."""
+    """value -> path as JSON."""
     with open(path, "w") as f:
         json.dump(value, f, indent=1)
 
@@ -863,7 +866,7 @@ def list_images(src):
 def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
     """Images -> shards {__key__, jpg, txt, json}, manifest.json, SHA256SUMS;
     each cover_crop'ed to `size` (`multiple`: its nearest bucket), smaller
-    ones skipped, never upsampled."""
+    ones skipped."""
     items, skipped, shards = list_images(src), [], []
     sink, n, counts = None, 0, collections.Counter()
     os.makedirs(out, exist_ok=True)
@@ -1005,7 +1008,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     if old not in (None, meta):
         raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those "
                          f"flags, or write a new folder")
-    # cache_size=0: a one-off pass keeps nothing
+    # a one-off pass caches nothing
     enc = model.TextEncoder(text_encoder, device, cache_size=0)
     ae = model.load_vae(vae, device)
     os.makedirs(out, exist_ok=True)
@@ -1016,7 +1019,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
     print(f"{len(shards) - len(todo)} of {len(shards)} shards already done")
     for shard in tqdm(todo, desc=f"precompute -> {out}", unit="shard"):
         dst = os.path.join(out, shard_name(shard))
-        # .tmp until finished, so a shard under its own name is done
+        # a shard under its own name is finished
         with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
             samples = list(read_tars([shard], lambda e: warnings.warn(masked(repr(e))) or True,
                                      retries=RETRIES))
@@ -1040,7 +1043,7 @@ def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch
 
 
 def get_parser():
-    """data.py's command line: shards|emoji|precompute."""
+    """data.py's command line."""
     import argparse
     p = argparse.ArgumentParser(description="The offline tools: converter, emoji, precompute.")
     sub = p.add_subparsers(dest="command", required=True, help="each has --help")
@@ -1053,8 +1056,8 @@ def get_parser():
     a("--per-shard", type=int, default=1000, help="images per shard")
     a("--quality", type=int, default=95, help="JPEG quality")
     a("--buckets", type=int, default=0, metavar="M",
-      help="keep aspect ratios: the nearest of 5 buckets 1:2..2:1 of ~size^2 pixels, sides "
-           "multiples of M (patch x VAE factor)")
+      help="keep aspect ratios: 5 buckets 1:2..2:1 of ~size^2 pixels, sides multiples of M "
+           "(patch x VAE factor)")
     s.set_defaults(run=lambda args: write_shards(
         args.src, args.out, args.size, args.per_shard, args.quality, args.buckets))
 
@@ -1079,6 +1082,7 @@ def get_parser():
     c.set_defaults(run=lambda args: precompute(
         args.src, args.out, args.vae, args.text_encoder, args.image_size, args.batch_size))
     return p
+
 
 if __name__ == "__main__":
     a = get_parser().parse_args()

@@ -1,10 +1,8 @@
 """train.py -- train the MM-DiT with rectified flow; `python train.py` is
-the whole CPU demo. Flags, set-up (the Run), the step, the loop; after one
-banner, what a first read may skip.
+the whole CPU demo.
 
 engine.py puts one process, DDP, ZeRO-2 and FSDP2 behind the step's calls;
-runfolder.py keeps checkpoints (every state: resume is exact), logs, stop
-signals and exits.
+runfolder.py keeps checkpoints, logs, stop signals and exits.
 """
 import argparse
 import copy
@@ -192,9 +190,7 @@ class Run:
     ema: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
-    # makes and applies the gradients
     engine: Engine
-    # t, noise, caption drops: seeded alike on every rank
     gen: torch.Generator
     encoder: TextEncoder
     vae: object = None  # None: pixels
@@ -217,8 +213,7 @@ class Run:
 
 
 def setup(args, shape=None):
-    """Device, seeds, encoders, model, EMA, AdamW, schedule, engine -> the
-    Run. profile.py's `shape`: (channels, side, text dim)."""
+    """Build the Run; profile.py's `shape`: (channels, side, text dim)."""
     dev, rank, local_rank, world = init_distributed(args.dist)
     args.precision = args.precision or ("bf16" if dev == "cuda" else "fp32")
     args.moe_impl = args.moe_impl or moe.default_impl(dev)
@@ -313,7 +308,6 @@ def train_step(run, args, micro_batches, mark=None):
         per_sample.append(per_sample_i.detach())
     # for the log: the lr this step runs at
     lr = run.opt.param_groups[0]["lr"]
-    # clip, update (not on a bad step), clear the gradients
     grad_norm, bad_step = run.engine.step(loss + balance)
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)
     run.sched.step()
@@ -338,7 +332,7 @@ def train_step(run, args, micro_batches, mark=None):
 
 # ---- The loop ----
 def start_run(args):
-    """Run folder, set-up, a resume or a fresh start, banner -> the Run."""
+    """Open the run folder, set up, resume or start -> the Run."""
     shards, precomputed = runfolder.open_folder(args)
     run = setup(args)
     run.shards, run.t_start = shards, time.time()
@@ -396,8 +390,7 @@ def train_loop(args, run, signals):
 
 
 def main(argv=None):
-    """Flags, start-up, the loop, then the final evaluation (or, on a stop
-    signal, a checkpoint)."""
+    """Train, then evaluate (on a stop signal: checkpoint instead)."""
     args = get_args(argv)
     signals = StopSignals(watch_launcher=args.dist != "none")
     try:
@@ -423,16 +416,16 @@ def main(argv=None):
               "the last checkpoint written stands", file=sys.stderr, flush=True)
         # gloo can abort at interpreter exit
         (os._exit if dist.is_initialized() else sys.exit)(128 + signum)
-    # late copies of a stop signal are ignored (tests call main() again)
+    # late copies of a stop signal are ignored
     finally:
         for s, handler in signals.saved_handlers.items():
             signal.signal(s, signal.SIG_IGN if signals.caught else handler)
 
 
-# ---- What a first read may skip: batches, bad steps, samples ----
+# ---- What a first read may skip ----
 def encode_batch(run, batch):
     """A loader batch -> (x0, text, mask, noise) on the device, through the
-    frozen encoders unless precomputed; noise: a reflow pair's, or None."""
+    frozen encoders unless precomputed."""
     if "latent" in batch:
         noise = batch.get("noise")
         noise = None if noise is None else to_device(noise, run.dev).float()
@@ -451,7 +444,7 @@ def encode_batch(run, batch):
 
 
 def count_bad_step(run, bad_step):
-    """run.bad_steps, on the device: total, streak, longest streak."""
+    """Count a bad step in run.bad_steps, on the device."""
     counts, bad = run.bad_steps, bad_step.float()
     counts["total"] = counts["total"] + bad
     counts["in_a_row"] = (counts["in_a_row"] + 1) * bad
@@ -460,7 +453,7 @@ def count_bad_step(run, bad_step):
 
 def sample_grid(run, args, ema, final=False):
     """The EMA draws each held-out prompt (or name) once, from fixed noise,
-    or at the end --eval-n times, scored. Rank 0 (FSDP: every rank)."""
+    or at the end --eval-n times, scored."""
     if run.rank != 0 and not run.engine.sharded:
         return
     name = "eval.png" if final else f"step_{run.step:06d}.png"
