@@ -250,9 +250,10 @@ def resolve_shards(data, image_size):
     if data in (BUILTIN, MIXED):
         name = f"shapes{image_size}{'-mixed' if data == MIXED else ''}-v{VERSION}"
         return make_builtin(os.path.join("data", name), size=image_size, mixed=data == MIXED)
-    if "gs://" in data and not shutil.which("gsutil"):
-        raise SystemExit("--data gs://: read through gsutil, not found on PATH: install the "
-                         "Google Cloud CLI, or pass https://storage.googleapis.com/ URLs")
+    if data.startswith("gs://") and not shutil.which("gsutil"):
+        raise SystemExit(f"{data}: gs:// is read through gsutil, not found on PATH: install the "
+                         "Google Cloud CLI, or pass https://storage.googleapis.com/ URLs or "
+                         "'pipe:gcloud storage cat gs://...'")
     if os.path.isdir(data):
         shards = tars(data)
     elif is_folder_url(data):
@@ -657,9 +658,10 @@ class Download:
         self.stream.close()
         # a tar ends before its padding: the client may still be writing
         if self.process:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=0 if self.stalled else 5)
-            except subprocess.TimeoutExpired:
+            # a stalled shell may have left a silent child holding the pipe
+            if self.stalled or self.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
@@ -695,7 +697,7 @@ def gone(error):
 
 def fetch(url, retries=RETRIES):
     """A remote file's bytes; None where it is gone() or its client fails
-    (it cannot say why); SystemExit where a server keeps failing."""
+    (it cannot say why); SystemExit where a server or client keeps failing."""
     for attempt in range(retries + 1):
         try:
             with Download(url) as f:

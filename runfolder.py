@@ -46,9 +46,9 @@ def holds_checkpoint(out):
 def model_differences(saved, config):
     """A checkpoint's model config against `config`, less how each computes:
     'width 192 there, 64 here, ...', or '' for the same model."""
-    how = ("attn", "moe_impl")
-    return ", ".join(f"{k} {v} there, {config.get(k)} here" for k, v in saved.items()
-                     if k not in how and config.get(k) != v)
+    keys = [k for k in {**saved, **config} if k not in ("attn", "moe_impl")]
+    return ", ".join(f"{k} {saved.get(k)} there, {config.get(k)} here" for k in keys
+                     if saved.get(k) != config.get(k))
 
 
 # ---- The run folder ----
