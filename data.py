@@ -251,9 +251,9 @@ def resolve_shards(data, image_size):
         name = f"shapes{image_size}{'-mixed' if data == MIXED else ''}-v{VERSION}"
         return make_builtin(os.path.join("data", name), size=image_size, mixed=data == MIXED)
     if data.startswith("gs://") and not shutil.which("gsutil"):
-        raise SystemExit(f"{data}: gs:// is read through gsutil, not found on PATH: install the "
-                         "Google Cloud CLI, or pass https://storage.googleapis.com/ URLs or "
-                         "'pipe:gcloud storage cat gs://...'")
+        raise SystemExit(f"{masked(data)}: gs:// is read through gsutil, not found on PATH: "
+                         "install the Google Cloud CLI, or pass https://storage.googleapis.com/ "
+                         "URLs or 'pipe:gcloud storage cat gs://...'")
     if os.path.isdir(data):
         shards = tars(data)
     elif is_folder_url(data):
