@@ -1,19 +1,20 @@
-"""data.py -- what the model eats: built-in shapes, images <-> tensors,
-WebDataset streaming; the offline tools.
+"""data.py -- what the model eats while training: the built-in shapes,
+pictures <-> tensors, aspect-ratio buckets, and the shard stream (from
+disk, HTTP or a store's client, with retries), one batch at a time.
 
-    python data.py shards SRC OUT --size 256   # captioned images -> shards
-    python data.py emoji OUT                   # named pictures, offline
-    python data.py precompute SRC OUT --vae V  # the frozen encoders, once
+    shards -> samples -> shuffle buffer -> a pool per bucket -> batches
 
-The stream is a pure function of (seed, epoch, rank, worker): `--resume`
-is exact.
+The stream is a pure function of (seed, epoch, rank, worker), and a
+checkpoint saves where each worker stands in it (Position): `--resume`
+continues with the very batches an uninterrupted run would have seen.
+Data preparation (your pictures -> shards, the emoji set, precompute)
+is prepare.py's.
 """
 import atexit
 import base64
 import bisect
 import collections
 import contextlib
-import hashlib
 import http.client
 import io
 import itertools
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import webdataset as wds
 from braceexpand import braceexpand
-from PIL import Image, ImageDraw, ImageFont, ImageOps
+from PIL import Image, ImageDraw, ImageOps
 from tqdm import tqdm
 
 import model
@@ -274,8 +275,9 @@ def resolve_shards(data, image_size):
     return shards
 
 
-def source(folder):
-    """--data -> the data it was made from."""
+def made_from(folder):
+    """--data -> what it was made from (precomputed shards: their raw
+    source, as precompute.json names it), else --data itself."""
     made = read_json(os.path.join(folder, "precompute.json")) if os.path.isdir(folder) else None
     return made["source"] if made else folder
 
@@ -324,7 +326,7 @@ def shard_samples(url, retries, faults):
             return
         except (OSError, http.client.HTTPException) as e:
             why = f"{masked(url)}: {masked(reason(e))}" + f" ({done} samples read)" * bool(done)
-            if attempt == retries or gone(e):
+            if attempt == retries or unrecoverable(e):
                 raise ShardLost(why) from None
             faults.retries += 1
             wait = BACKOFF * 2 ** attempt
@@ -416,14 +418,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.seed, self.rank, self.world, self.retries = seed, rank, world, retries
         # shared memory: workers live across epochs and read it at each start
         self.epoch_start = multiprocessing.RawArray("q", [epoch, batches_before])
-        # u_0 of bucket()'s sequence
-        self.phase = random.Random(f"buckets-{seed}").random()
+        # u_0, where bucket()'s golden-ratio sequence starts
+        self.u0 = random.Random(f"buckets-{seed}").random()
 
     def bucket(self, n):
         """The bucket of this rank's n-th batch, the same on every rank:
         u_n = frac(u_0 + n / phi) over the shares (golden-ratio steps), so
         any run of batches keeps those shares."""
-        u = (self.phase + n * 0.6180339887498949) % 1
+        u = (self.u0 + n * 0.6180339887498949) % 1
         i = bisect.bisect(self.share_ends, u * self.share_ends[-1])
         return self.sizes[min(i, len(self.sizes) - 1)]
 
@@ -687,7 +689,7 @@ def http_request(url):
     return request
 
 
-def gone(error):
+def unrecoverable(error):
     """A fault no retry mends: HTTP 4xx but 408 (timeout) and 429 (rate
     limit); a client not found or not runnable (the shell's 127, 126)."""
     if isinstance(error, urllib.error.HTTPError):
@@ -696,8 +698,9 @@ def gone(error):
 
 
 def fetch(url, retries=RETRIES):
-    """A remote file's bytes; None where it is gone() or its client fails
-    (it cannot say why); SystemExit where a server or client keeps failing."""
+    """A remote file's bytes; None where the fault is unrecoverable() or its
+    client fails (it cannot say why); SystemExit where a server or client
+    keeps failing."""
     for attempt in range(retries + 1):
         try:
             with Download(url) as f:
@@ -706,7 +709,7 @@ def fetch(url, retries=RETRIES):
             return whole
         except (OSError, http.client.HTTPException) as e:
             by_client = not url.startswith(("http://", "https://"))
-            if gone(e) or by_client and isinstance(e, ShardCut):
+            if unrecoverable(e) or by_client and isinstance(e, ShardCut):
                 return None
             if attempt == retries:
                 raise SystemExit(f"could not read {masked(url)}: {masked(e)}") from None
@@ -775,45 +778,12 @@ def served_shards(folder):
     names = [s["name"] if isinstance(s, dict) else s for s in (manifest or {}).get("shards", [])]
     if not names:
         why = "no manifest.json there" if manifest is None else "its manifest.json names no shards"
-        raise SystemExit(f"--data {masked(folder)}: {why}. Write it with data.py shards, or "
+        raise SystemExit(f"--data {masked(folder)}: {why}. Write it with prepare.py shards, or "
                          f"pass a brace pattern: {masked(folder)}shard-{{00000..00099}}.tar")
     return sorted(beside(folder, n) for n in names)
 
 
-def shard_name(shard):
-    """A shard's file name, however it is addressed."""
-    if shard.startswith("pipe:"):
-        shard = next((w for w in reversed(shard.split(" ")) if w.endswith(".tar")), shard)
-    elif shard.startswith(REMOTE):
-        shard = urllib.parse.urlsplit(shard).path
-    return shard.rpartition("/")[2]
-
-
-# ---- Files, JSON, the offline tools ----
-def atomic_write(path, write, keep=None):
-    """write(f) to `path` (the old to `keep`): a crash leaves the old file
-    or the new, never a torn one."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            # the bytes are on disk before a name points at them
-            os.fsync(f.fileno())
-        if keep and os.path.exists(path):
-            os.replace(path, keep)
-        os.replace(tmp, path)
-        # and so are the renames
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-
-
+# ---- Files and JSON ----
 def read_text(path):
     """A file's text; None where there is none."""
     return pathlib.Path(path).read_text() if os.path.exists(path) else None
@@ -830,262 +800,6 @@ def write_json(path, value):
         json.dump(value, f, indent=1)
 
 
-def append_json(f, rec):
-    """One JSON line to an open file, flushed; NaN and inf become null."""
-    def finite(x):
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
-    if f:
-        f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
-        f.flush()
-
-
-def list_images(src):
-    """Image folder (sidecar .txt captions) or .csv / .jsonl of path,caption
-    -> [(path, caption or None)]."""
-    if os.path.isdir(src):
-        exts = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-        paths = [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.lower().endswith(exts)]
-        caps = [read_text(os.path.splitext(p)[0] + ".txt") for p in paths]
-        return [(p, c if c is None else c.strip()) for p, c in zip(paths, caps)]
-    if not src.endswith((".csv", ".jsonl")):
-        raise SystemExit(f"{src}: give an image folder (with .txt captions), a .csv or a "
-                         f".jsonl of path,caption")
-    import csv
-    with open(src, newline="") as f:
-        if src.endswith(".csv"):
-            rows = list(csv.DictReader(f))
-        else:
-            rows = [json.loads(line) for line in f if line.strip()]
-    # paths relative to the list's folder
-    folder = os.path.dirname(os.path.abspath(src))
-    return [(os.path.join(folder, r["path"]), r.get("caption")) for r in rows]
-
-
-def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
-    """Images -> shards {__key__, jpg, txt, json}, manifest.json, SHA256SUMS;
-    each cover_crop'ed to `size` (`multiple`: its nearest bucket), smaller
-    ones skipped."""
-    items, skipped, shards = list_images(src), [], []
-    sink, n, counts = None, 0, collections.Counter()
-    os.makedirs(out, exist_ok=True)
-    src_folder = os.path.dirname(os.path.abspath(src))
-    for path, caption in tqdm(items, desc=f"shards -> {out}", unit="img"):
-        try:
-            img = to_rgb(open_image(path))
-            wh = nearest(buckets(size, multiple), *img.size) if multiple else (size, size)
-            small = img.width < wh[0] or img.height < wh[1]
-            why = ("no caption" if caption is None
-                   else f"smaller than {wh}: {img.size}" if small else "")
-        except Exception as e:
-            why = f"unreadable: {e}"
-        if why:
-            skipped.append(dict(path=path, reason=why))
-            continue
-        if sink is None or shards[-1]["samples"] == per_shard:
-            if sink:
-                sink.close()
-            shards.append(dict(name=f"shard-{len(shards):05d}.tar", samples=0))
-            # mtime 0: the same bytes on every run
-            sink = wds.TarWriter(os.path.join(out, shards[-1]["name"] + ".tmp"), mtime=0)
-        jpg = encoded(cover_crop(img, wh), "JPEG", quality=quality)
-        counts["%dx%d" % wh] += bool(multiple)
-        meta = dict(src=os.path.relpath(path, src_folder), size=img.size)
-        sink.write({"__key__": f"{n:09d}", "jpg": jpg, "txt": caption, "json": meta})
-        shards[-1]["samples"] += 1
-        n += 1
-    if sink:
-        sink.close()
-    for s in shards:
-        final = os.path.join(out, s["name"])
-        os.replace(final + ".tmp", final)
-        with open(final, "rb") as f:
-            s["sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
-    # check the shards anywhere: sha256sum -c SHA256SUMS
-    with open(os.path.join(out, "SHA256SUMS"), "w") as f:
-        f.writelines(f"{s['sha256']}  {s['name']}\n" for s in shards)
-    manifest = dict(size=size, quality=quality, samples=sum(s["samples"] for s in shards),
-                    shards=shards, buckets=+counts, skipped=skipped)
-    write_json(os.path.join(out, "manifest.json"), manifest)
-    print(f"{manifest['samples']} images -> {len(shards)} shards in {out}; {len(skipped)} skipped"
-          + "".join(f"\n  bucket {k}: {v}" for k, v in sorted((+counts).items()))
-          + "".join(f"\n  skipped {s['path']}: {s['reason']}" for s in skipped))
-    return manifest
-
-
-EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"
-# code-point ranges of the Unicode emoji charts' groups
-EMOJI_CATEGORIES = {
-    "animals": [(0x1F400, 0x1F43F), (0x1F54A, 0x1F54A), (0x1F577, 0x1F578),
-                (0x1F980, 0x1F9AE), (0x1FAB0, 0x1FABF)],
-    "plants": [(0x1F330, 0x1F344), (0x1F490, 0x1F490), (0x1FAB4, 0x1FAB7)],
-    "food": [(0x1F32D, 0x1F32F), (0x1F345, 0x1F37F), (0x1F950, 0x1F96F),
-             (0x1F9C0, 0x1F9CB), (0x1FAD0, 0x1FADF)],
-    "faces": [(0x1F600, 0x1F64F), (0x1F910, 0x1F92F), (0x1F970, 0x1F97A),
-              (0x1F9D0, 0x1F9D0), (0x1FAE0, 0x1FAE8)],
-}
-EMOJI_WORDINGS = ["{name}", "an emoji of the {name}", "a picture of the {name}",
-                  "the {name}, drawn as an emoji"]
-# the evaluation's wording, never trained on
-EMOJI_HELDOUT = "a small icon showing the {name}"
-
-
-def emoji_glyphs(categories, font=EMOJI_FONT):
-    """-> [(code point, name, RGBA image)]: the categories' named emoji
-    that the font draws."""
-    import unicodedata
-    if not os.path.exists(font):
-        raise SystemExit(f"{font}: no emoji font; install it (Debian/Ubuntu: apt-get install "
-                         f"fonts-noto-color-emoji) or pass --font FILE.ttf")
-    # the one size Noto's colour bitmaps come in
-    face = ImageFont.truetype(font, 109)
-
-    def draw(ch):
-        img = Image.new("RGBA", (160, 160), (0, 0, 0, 0))
-        ImageDraw.Draw(img).text((8, 8), ch, font=face, embedded_color=True)
-        return img
-
-    if unknown := set(categories) - set(EMOJI_CATEGORIES) - {"all"}:
-        raise SystemExit(f"--categories: unknown {sorted(unknown)}; choose from "
-                         f"{sorted(EMOJI_CATEGORIES)} or all")
-    if "all" in categories:
-        ranges = [(0x2000, 0x1FAFF)]
-    else:
-        ranges = [r for c in categories for r in EMOJI_CATEGORIES[c]]
-    # what the font draws for a code point it lacks
-    tofu, out = np.asarray(draw(chr(0x10FFFD))), []
-    flag_letters_and_skin_tones = {*range(0x1F1E6, 0x1F200), *range(0x1F3FB, 0x1F400)}
-    code_points = {cp for a, b in ranges for cp in range(a, b + 1)}
-    for cp in sorted(code_points - flag_letters_and_skin_tones):
-        ch = chr(cp)
-        if unicodedata.category(ch) == "So" and unicodedata.name(ch, ""):
-            img = draw(ch)
-            if img.getbbox() and not np.array_equal(np.asarray(img), tofu):
-                out.append((cp, unicodedata.name(ch).lower(), img))
-    return out
-
-
-def make_emoji(out, categories=("animals", "food"), size=32, font=EMOJI_FONT, glyphs=None):
-    """Glyphs (or `glyphs`: [(id, name, RGBA)]) -> OUT/images/,
-    OUT/captions.jsonl (every wording), shards, OUT/names.json."""
-    glyphs = emoji_glyphs(categories, font) if glyphs is None else glyphs
-    os.makedirs(os.path.join(out, "images"), exist_ok=True)
-    rows, names, images = [], [], []
-    for cp, name, img in glyphs:
-        img = img.crop(img.getbbox())
-        # a 5% margin on each side, as the font's own em box has
-        side = round(max(img.size) * 1.1)
-        square = Image.new("RGBA", (side, side), (0, 0, 0, 0))
-        square.paste(img, ((side - img.width) // 2, (side - img.height) // 2))
-        path = f"images/{cp:05x}.png" if isinstance(cp, int) else f"images/{cp}.png"
-        square.save(os.path.join(out, path))
-        names.append(name)
-        images.append(path)
-        rows += [dict(path=path, caption=w.format(name=name)) for w in EMOJI_WORDINGS]
-    with open(os.path.join(out, "captions.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    manifest = write_shards(os.path.join(out, "captions.jsonl"), out, size, per_shard=1000)
-    write_json(os.path.join(out, "names.json"),
-               dict(names=names, images=images, heldout=EMOJI_HELDOUT, wordings=EMOJI_WORDINGS,
-                    size=size, background=BACKGROUND, categories=list(categories)))
-    print(f"{len(names)} names x {len(EMOJI_WORDINGS)} wordings -> {out}; "
-          f"held-out wording: {EMOJI_HELDOUT!r}")
-    return manifest
-
-
-def precompute(src, out, vae="none", text_encoder="minilm", image_size=32, batch_size=32,
-               device=None):
-    """Raw shards -> shards {latent.npy, text.npy (fp16), mask.npy, txt},
-    one per shard; a rerun skips the finished ones."""
-    device = device or model.device()
-    meta = dict(vae=vae, text_encoder=text_encoder, image_size=image_size, source=masked(src))
-    shards = resolve_shards(src, image_size)
-    old = read_json(os.path.join(out, "precompute.json"))
-    if bucket_shares(shards, image_size, 1):
-        raise SystemExit(f"{masked(src)}: several aspect ratios; precompute writes one square "
-                         f"size: train on these shards")
-    if old not in (None, meta):
-        raise SystemExit(f"{out} holds shards precomputed with {old}; resume with those "
-                         f"flags, or write a new folder")
-    # a one-off pass caches nothing
-    enc = model.TextEncoder(text_encoder, device, cache_size=0)
-    ae = model.load_vae(vae, device)
-    os.makedirs(out, exist_ok=True)
-    # train.py checks its flags against this
-    write_json(os.path.join(out, "precompute.json"), meta)
-    todo = [s for s in shards if not os.path.exists(os.path.join(out, shard_name(s)))]
-    skipped = 0
-    print(f"{len(shards) - len(todo)} of {len(shards)} shards already done")
-    for shard in tqdm(todo, desc=f"precompute -> {out}", unit="shard"):
-        dst = os.path.join(out, shard_name(shard))
-        # a shard under its own name is finished
-        with wds.TarWriter(dst + ".tmp", mtime=0) as sink:
-            samples = list(read_tars([shard], lambda e: warnings.warn(masked(repr(e))) or True,
-                                     retries=RETRIES))
-            for i in range(0, len(samples), batch_size):
-                part = [(s, decode(s, [(image_size, image_size)]))
-                        for s in samples[i:i + batch_size]]
-                ok = [(s, x) for s, x in part if x is not None]
-                skipped += len(part) - len(ok)
-                if not ok:
-                    continue
-                b = collate([x for _, x in ok])
-                x = b["image"] if ae is None else ae.encode(b["image"])
-                text, mask = enc(b["caption"])
-                for j, (s, _) in enumerate(ok):
-                    n = int(mask[j].sum())
-                    sink.write({"__key__": s["__key__"], "latent.npy": x[j].cpu().half().numpy(),
-                                "text.npy": text[j, :n].cpu().half().numpy(),
-                                "mask.npy": mask[j, :n].cpu().numpy(), "txt": b["caption"][j]})
-        os.replace(dst + ".tmp", dst)
-    print(f"{len(shards)} shards in {out}; bad samples skipped: {skipped}")
-
-
-def get_parser():
-    """data.py's command line."""
-    import argparse
-    p = argparse.ArgumentParser(description="The offline tools: converter, emoji, precompute.")
-    sub = p.add_subparsers(dest="command", required=True, help="each has --help")
-
-    s = sub.add_parser("shards", help="captioned images -> shards, manifest.json, SHA256SUMS")
-    a = s.add_argument
-    a("src", help="image folder (+ .txt captions), or a .csv/.jsonl of path,caption")
-    a("out", help="output folder")
-    a("--size", type=int, default=256, help="square side in pixels; smaller images skipped")
-    a("--per-shard", type=int, default=1000, help="images per shard")
-    a("--quality", type=int, default=95, help="JPEG quality")
-    a("--buckets", type=int, default=0, metavar="M",
-      help="keep aspect ratios: 5 buckets 1:2..2:1 of ~size^2 pixels, sides multiples of M "
-           "(patch x VAE factor)")
-    s.set_defaults(run=lambda args: write_shards(
-        args.src, args.out, args.size, args.per_shard, args.quality, args.buckets))
-
-    e = sub.add_parser("emoji", help="Noto Color Emoji -> images, captions, shards, names.json")
-    a = e.add_argument
-    a("out", help="output folder")
-    a("--categories", default="animals,food",
-      help=f"comma-separated {','.join(EMOJI_CATEGORIES)} or all")
-    a("--size", type=int, default=32, help="square side in pixels")
-    a("--font", default=EMOJI_FONT, help="a colour emoji font with 109-px bitmaps")
-    e.set_defaults(run=lambda args: make_emoji(
-        args.out, args.categories.split(","), args.size, args.font))
-
-    c = sub.add_parser("precompute", help="raw shards -> fp16 latents, text states, masks")
-    a = c.add_argument
-    a("src", help="raw shards, as train.py's --data")
-    a("out", help="output folder (rerun to resume)")
-    a("--vae", default="none", help="as train.py's ('none': pixels)")
-    a("--text-encoder", default="minilm", help="as train.py's")
-    a("--image-size", type=int, default=32, help="as train.py's")
-    a("--batch-size", type=int, default=32, help="images per encoder call")
-    c.set_defaults(run=lambda args: precompute(
-        args.src, args.out, args.vae, args.text_encoder, args.image_size, args.batch_size))
-    return p
-
-
 if __name__ == "__main__":
-    a = get_parser().parse_args()
-    a.run(a)
+    raise SystemExit("data.py is read by train.py; the offline tools are prepare.py's: "
+                     "python prepare.py shards|emoji|precompute --help")

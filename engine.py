@@ -27,15 +27,19 @@ from model import device
 class Engine:
     """One process, or DDP (`--dist ddp`). EMA, samples and checkpoints use
     the plain model."""
-    partitioned = False  # the optimizer state is split over the ranks
-    sharded = False  # so is every weight: ranks run each forward together
+    # ZeRO-2: each rank holds (and saves, in deepspeed/) its own
+    # partition of the optimizer state
+    optimizer_partitions = False
+    # FSDP: each rank holds 1/world of every weight (and of its AdamW
+    # state), so all ranks run every forward together
+    splits_weights = False
 
     def __init__(self, args, model, opt, dev, world, local_rank):
         self.model, self.opt, self.world, self.grad_accum = model, opt, world, args.grad_accum
         self.forward = torch.compile(model) if args.compile else model
         # compile, then wrap. Experts are stacked, so every weight gets a
         # gradient each step: DDP need not search for unused ones
-        if world > 1 and not self.sharded:
+        if world > 1 and not self.splits_weights:
             ignored = expert_parallel.sharded_names(self.forward)
             self.forward._ddp_params_and_buffers_to_ignore = ignored
             ids = [local_rank] if dev == "cuda" else None
@@ -77,7 +81,7 @@ class Engine:
 
 class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO-2 (`--dist deepspeed`) around our AdamW."""
-    partitioned = True
+    optimizer_partitions = True
 
     def __init__(self, args, model, opt, dev, world, local_rank):
         import deepspeed
@@ -114,7 +118,7 @@ class FSDPEngine(Engine):
     A block's weights are all-gathered just before it runs (forward and
     backward), then freed; its gradients reduce-scattered to the DTensor
     shards AdamW updates as in one process."""
-    sharded = True
+    splits_weights = True
 
     @staticmethod
     def shard(models, dev, bf16=False):

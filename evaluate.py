@@ -238,7 +238,7 @@ def name_net(names, batch=64, seed=0):
 
 
 def names_set(folder, size):
-    """The names set (python data.py emoji) in `folder`, or None; "real":
+    """The names set (python prepare.py emoji) in `folder`, or None; "real":
     its pictures, prepared as the converter does."""
     names = read_json(os.path.join(folder, "names.json")) if os.path.isdir(folder) else None
     if names is None:

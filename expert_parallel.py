@@ -6,7 +6,7 @@ its own tokens and sorts the T*k rows by expert, so by rank; its Exchange
 all-to-alls the counts c (E,), then the rows (c summed per rank: uneven, no
 token dropped), runs what arrived through its experts and sends the
 results back. An expert's gradient, which sums its group's tokens, is
-summed over its world / N copies and divided by the world size: DDP's mean.
+summed over its world / N replicas and divided by the world size: DDP's mean.
 """
 import dataclasses
 
@@ -47,7 +47,7 @@ class AllToAll(torch.autograd.Function):
 class Exchange:
     """This rank's place in --ep: each MoE layer's `exchange`, its dispatch."""
     group: object   # the N ranks that exchange rows
-    copies: object  # the world / N ranks holding these experts (or None)
+    replicas: object  # the world / N ranks holding these experts (or None)
     rank: int       # j: this rank's place in `group`
     size: int       # N
 
@@ -85,11 +85,11 @@ def shard_experts(models, n):
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
     if world > n:
-        copies = [dist.new_group(list(range(j, world, n))) for j in range(n)]
+        replicas = [dist.new_group(list(range(j, world, n))) for j in range(n)]
     else:
-        copies = [None] * n
+        replicas = [None] * n
     j = rank % n
-    exchange = Exchange(groups[rank // n], copies[j], j, n)
+    exchange = Exchange(groups[rank // n], replicas[j], j, n)
     for model in models:
         for m in [m for m in model.modules() if isinstance(m, MoE)]:
             m.exchange = exchange
@@ -118,23 +118,23 @@ def reduce_expert_grads(model, world):
             # no row reached them: zero, as the whole stack would get
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if m.exchange.copies:
-                dist.all_reduce(p.grad, group=m.exchange.copies)
+            if m.exchange.replicas:
+                dist.all_reduce(p.grad, group=m.exchange.replicas)
             p.grad /= world
 
 
 def clip_grad_norm_(model, max_norm):
     """torch's clip_grad_norm_ -> the norm (NaN, inf pass), the experts'
     squared norm summed over the group: every rank scales alike."""
-    sharded = set(sharded_names(model))
-    if not sharded:
+    expert_keys = set(sharded_names(model))
+    if not expert_keys:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm_of = torch.nn.utils.get_total_norm
     grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    experts_sq = norm_of([g for k, g in grads.items() if k in sharded]) ** 2
+    experts_sq = norm_of([g for k, g in grads.items() if k in expert_keys]) ** 2
     _, layer = sharded_layers(model)[0]
     dist.all_reduce(experts_sq, group=layer.exchange.group)
-    rest = norm_of([g for k, g in grads.items() if k not in sharded])
+    rest = norm_of([g for k, g in grads.items() if k not in expert_keys])
     norm = (rest ** 2 + experts_sq).sqrt()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm

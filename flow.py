@@ -48,12 +48,19 @@ def sample_t(n, dist="logit-normal", generator=None, device="cpu", shift=1.0):
     if dist == "uniform":
         t = torch.rand(n, generator=generator, device=device)
     else:
+        # more draws in the middle: near t = 0 or 1 the velocity is easy
+        # to guess (eps - x0 from an almost clean x0 or almost pure eps),
+        # in between it is hardest (SD3 sec. 3.1 and 5.1: best of those tried)
         t = torch.sigmoid(torch.randn(n, generator=generator, device=device))
     return shift_t(t, shift)
 
 
 def interpolate(x0, eps, t):
-    """z_t = (1 - t) x0 + t eps, with t broadcast over (B, C, H, W)."""
+    """z_t = (1 - t) x0 + t eps, with t broadcast over (B, C, H, W).
+
+    A straight line from x0 to eps at constant speed: its velocity
+    dz_t/dt = eps - x0 is the same at every t, the target of the loss."""
+    # (B,) -> (B, 1, 1, 1): one time per sample
     t = t.view(-1, *([1] * (x0.dim() - 1)))
     return (1 - t) * x0 + t * eps
 
@@ -71,9 +78,12 @@ def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     Pairs never straddle an even cut, so any split of the global batch
     into even micro-batches and ranks gives the same pairs. The
     per-sample loss (logged) is the plain one."""
+    # in fp32: under bf16 autocast the output is bf16, too coarse for a
+    # loss whose squared errors shrink as training goes
     v = model(interpolate(x0, eps, t), t, text, mask).float()
     target = eps - x0
     dims = tuple(range(1, x0.dim()))
+    # the mean over pixels: the loss does not grow with the picture size
     per_sample = ((v - target) ** 2).mean(dim=dims)
     if not contrast:
         return per_sample.mean(), per_sample
@@ -100,17 +110,22 @@ def euler(velocity, x, steps, shift=1.0):
     -> (x at t = 0, the path's straightness S (B,)), means over pixels:
 
         S = sum_k (t_k - t_k+1) ||v_k||^2 - ||x1 - x0||^2"""
+    # equal steps in the shifted time: the grid the model trained on
     ts = shift_t(torch.linspace(1, 0, steps + 1, device=x.device), shift)
     x1, energy = x, 0
     for t, t_next in zip(ts[:-1], ts[1:]):
         v = velocity(x, t.expand(x.shape[0]))
+        # t_next < t: a step against the velocity, from noise toward data
         x = x + (t_next - t) * v
         energy = energy + (t - t_next) * v.pow(2).flatten(1).mean(1)
     return x, energy - (x1 - x).pow(2).flatten(1).mean(1)
 
 
 def cfg_velocity(model, text, mask, null_text, null_mask, w):
-    """Guided velocity: both halves in one batched forward."""
+    """Guided velocity v_u + w (v_c - v_u): w = 1 is the captioned model
+    alone; w > 1 moves further from the uncaptioned one, toward what the
+    caption adds (sharper, more on-caption, less varied)."""
+    # both halves in one batched forward: one pass of 2B, not two of B
     def velocity(x, t):
         both = model(torch.cat([x, x]), torch.cat([t, t]),
                      torch.cat([text, null_text]), torch.cat([mask, null_mask]))
@@ -120,13 +135,16 @@ def cfg_velocity(model, text, mask, null_text, null_mask, w):
 
 
 def null_caption(text, mask):
-    """'No caption': all-zero token states, an all-False mask (same shapes)."""
+    """'No caption': all-zero token states, an all-False mask (same shapes).
+
+    The model then sees no text key and a zero text mean: the same null
+    input in training (drop_captions) and in sampling."""
     return torch.zeros_like(text), torch.zeros_like(mask)
 
 
-def drop_captions(text, mask, keep):
-    """The null caption where keep (B,) is False (train.py's --cfg-drop)."""
-    return text * keep[:, None, None], mask & keep[:, None]
+def drop_captions(text, mask, captioned):
+    """The null caption where captioned (B,) is False (train.py's --cfg-drop)."""
+    return text * captioned[:, None, None], mask & captioned[:, None]
 
 
 @torch.no_grad()

@@ -14,6 +14,8 @@ Diffusion Transformer with two token streams.
     start at zero (the untrained net predicts v = 0).
 
 The last layer's text stream only gives Q, K, V (SD3's "pre-only").
+After the MM-DiT: DiT's sizes; then, after a banner, what a first read
+may skip: devices and the frozen encoders (text, VAE).
 """
 import collections
 import contextlib
@@ -36,14 +38,19 @@ if sys.version_info < (3, 11):
 
 # ---- Embeddings and adaLN --------------------------------------------
 def modulate(x, shift, scale):
-    """adaLN: x (B, N, D) scaled and shifted per sample by (B, D) vectors."""
+    """adaLN: x (B, N, D) scaled and shifted per sample by (B, D) vectors.
+
+    `1 + scale`: a zero-initialised adaLN leaves x as it is (DiT sec. 3.2)."""
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
 def timestep_embedding(t, dim, max_period=10000):
-    """Sinusoidal features (B, dim) of t in [0, 1], scaled by 1000 (DiT's steps)."""
+    """Sinusoidal features (B, dim) of t in [0, 1] (Transformer, DiT)."""
     half = dim // 2
+    # frequencies from 1 down to 1 / max_period, geometrically spaced
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
+    # DiT's frequencies were set for t in 0..999 steps: scaled so, t in
+    # [0, 1] spans as many periods and nearby times differ
     args = 1000 * t.float()[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -54,33 +61,38 @@ def sincos_2d(n_side, dim, first=0):
     coords = torch.arange(n_side) + first
     y, x = torch.meshgrid(coords, coords, indexing="ij")
     omega = 1.0 / 10000 ** (torch.arange(dim // 4) / (dim // 4))
+    # half the channels tell the column, half the row: sin and cos each
     parts = [f(c.flatten()[:, None].float() * omega[None])
              for c in (x, y) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 
 # ---- Attention -------------------------------------------------------
-# cuDNN's fused kernel first: unlike flash, it takes a mask
+# On a GPU a mask rules out flash attention, which takes none; cuDNN's
+# fused kernel takes one, so it is tried first
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention(q, k, v, keep, impl="sdpa"):
-    """softmax(q k^T / sqrt(d) + mask) v, the mask 0 where `keep`, else -inf.
+def attention(q, k, v, visible, impl="sdpa"):
+    """softmax(q k^T / sqrt(d) + mask) v, the mask 0 where `visible`, else -inf.
 
-    q, k, v (B, H, S, d); keep (B, S) bool: the keys that may be attended.
+    q, k, v (B, H, S, d); visible (B, S) bool: the keys a query may attend.
     "manual" writes it out; "sdpa" lets PyTorch pick; "cudnn" tries cuDNN's
     kernel first (on a CPU: sdpa). All give the same numbers."""
     if impl == "manual":
-        # (B, H, S, S): the memory hog
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+        # / sqrt(d): dot products of d unit-variance terms have variance d;
+        # unscaled, the softmax saturates (Vaswani et al. 2017)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, S, S)
+        # -inf: exp(-inf) = 0, a hidden key gets no weight at all
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         return scores.softmax(dim=-1) @ v
     kernels = contextlib.nullcontext()
     if impl == "cudnn":
         kernels = sdpa_kernel(CUDNN_FIRST, set_priority=True)
     with kernels:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        # the (B, H, S, S) scores are never held whole in memory
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
 
 
 # ---- The MM-DiT ------------------------------------------------------
@@ -96,9 +108,15 @@ class Stream(nn.Module):
     def __init__(self, dim, heads, qkv_only=False, moe=None):
         super().__init__()
         self.heads, self.qkv_only = heads, qkv_only
+        # (shift, scale) for the attention's input and the MLP's: no gates,
+        # as the branches' zero-initialised last layers already start at 0
         self.adaln = nn.Linear(dim, (2 if qkv_only else 4) * dim)
+        # no affine: adaLN's per-sample scale and shift take its place
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(dim, 3 * dim)
+        # QK-norm (SD3 sec. 5.3.2, after Dehghani et al. 2023): the
+        # logits stay bounded, so attention cannot collapse onto one key
+        # as weights grow, which makes long bf16 runs diverge
         self.q_norm = nn.RMSNorm(dim // heads, eps=1e-6)
         self.k_norm = nn.RMSNorm(dim // heads, eps=1e-6)
         if not qkv_only:
@@ -116,6 +134,7 @@ class Stream(nn.Module):
         B, N, D = s.shape
         h = modulate(self.norm1(s), shift, scale)
         q, k, v = self.qkv(h).view(B, N, 3, self.heads, -1).unbind(2)
+        # per head, before the transpose: over its D/H channels
         q = rms_norm(q, self.q_norm).transpose(1, 2)
         k = rms_norm(k, self.k_norm).transpose(1, 2)
         return q, k, v.transpose(1, 2)
@@ -123,18 +142,22 @@ class Stream(nn.Module):
     def residuals(self, s, o, shift, scale):
         """s, attention output o (B, N, D) -> s += Linear(o); s += SwiGLU(adaLN(s))."""
         s = s + self.proj(o)
+        # the MLP reads the stream after the attention joined it (SD3)
         return s + self.mlp(modulate(self.norm2(s), shift, scale))
 
 
 class Block(nn.Module):
-    """Dual-stream layer, one joint attention over [text; image]: `x` the
-    image stream's weights (its MLP the MoE with --moe E), `c` the text
-    stream's (SD3's names)."""
+    """Dual-stream layer, one joint attention over [text; image].
+
+    `x` holds the image stream's weights (its MLP the MoE with --moe E),
+    `c` the text (context) stream's: SD3's names, which the tensors in
+    forward() share, and the checkpoints' keys (blocks.0.x.qkv.weight)."""
 
     def __init__(self, dim, heads, last=False, attn="sdpa", moe=None):
         super().__init__()
         self.attn = attn
         self.x = Stream(dim, heads, moe=moe)
+        # the last layer's text output would be thrown away: Q, K, V only
         self.c = Stream(dim, heads, qkv_only=last)
 
     def forward(self, x, c, mask, cond):
@@ -144,12 +167,15 @@ class Block(nn.Module):
         c_attn_mod, c_mlp_mod = self.c.shifts_scales(cond)
         qx, kx, vx = self.x.qkv_heads(x, *x_attn_mod)
         qc, kc, vc = self.c.qkv_heads(c, *c_attn_mod)
-        # every image token is a key; text padding never is
-        keep = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)
+        # every image token is a key; text padding never is (the null
+        # caption's mask is all False: the image attends to itself alone)
+        visible = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)
+        # one attention over both streams: text reads the image and the
+        # image the text, each with its own weights (SD3's MM-DiT)
         q = torch.cat([qc, qx], 2)
         k = torch.cat([kc, kx], 2)
         v = torch.cat([vc, vx], 2)
-        o = attention(q, k, v, keep, self.attn).transpose(1, 2).flatten(2)
+        o = attention(q, k, v, visible, self.attn).transpose(1, 2).flatten(2)
         oc, ox = o.split([c.shape[1], x.shape[1]], dim=1)
         x = self.x.residuals(x, ox, *x_mlp_mod)
         if self.c.qkv_only:
@@ -158,9 +184,11 @@ class Block(nn.Module):
 
 
 class DiT(nn.Module):
-    """(z_t (B, C, H, W), t (B,), text (B, L, D_text), mask (B, L)) -> v (B, C, H, W)."""
+    """(z_t (B, C, H, W), t (B,), text (B, L, D_text), mask (B, L)) -> v (B, C, H, W).
 
-    def __init__(self, in_channels=3, image_size=32, patch=4, width=256, depth=6,
+    The defaults are train.py's CPU model."""
+
+    def __init__(self, in_channels=3, image_size=32, patch=4, width=192, depth=4,
                  heads=4, text_dim=384, attn="sdpa", moe=0, topk=2, shared_experts=2,
                  moe_impl="sorted", expert_hidden=None, balance="aux"):
         super().__init__()
@@ -168,14 +196,18 @@ class DiT(nn.Module):
                         hidden=expert_hidden, balance=balance) if moe else None
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.channels, self.patch, self.n_side = in_channels, patch, image_size // patch
-        # the longest side of data.buckets' grids (1:2, 2:1), in patches
+        # the longest side of data.buckets' grids (1:2, 2:1), in patches:
+        # a bucket keeps the square's area, so its long side is sqrt(2) longer
         self.n_max = round(self.n_side * math.sqrt(2))
-        # learned; at first DiT's table of the square grid, extended all round
+        # learned; at first DiT's table of the square grid, extended all
+        # round, so the square's centre crop starts as DiT's fixed table
         first = -((self.n_max - self.n_side) // 2)
         self.pos = nn.Parameter(sincos_2d(self.n_max, width, first)[None])
+        # a patch p x p x C -> one D-vector: a Linear applied per patch
         self.patch_embed = nn.Conv2d(in_channels, width, patch, stride=patch)
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
-        # token states -> the text stream; their mean -> t~
+        # token states -> the text stream; their mean -> t~, so the caption
+        # steers every layer's adaLN, not only through attention
         self.text_in = nn.Linear(text_dim, width)
         self.pool_in = nn.Linear(text_dim, width)
         self.blocks = nn.ModuleList([
@@ -183,6 +215,7 @@ class DiT(nn.Module):
             for i in range(depth)])
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.final_adaln = nn.Linear(width, 2 * width)
+        # each token -> its patch's p x p x C velocity
         self.final = nn.Linear(width, patch * patch * in_channels)
         # train.py --grad-ckpt: recompute the blocks in the backward
         self.grad_ckpt = False
@@ -197,14 +230,17 @@ class DiT(nn.Module):
                     nn.init.zeros_(m.bias)
         for m in self.modules():
             if isinstance(m, MoE):
-                # near-uniform routing at the start
+                # near-uniform routing at the start: every expert is tried
                 nn.init.normal_(m.router.weight, std=0.02)
-        # the patch embedding is a Linear on flattened patches
+        # the patch embedding is a Linear on flattened patches (DiT)
         w = self.patch_embed.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        # DiT's (and GPT-2's) small normal init, std 0.02
         for linear in self.t_mlp[::2]:
             nn.init.normal_(linear.weight, std=0.02)
-        # Zero: each adaLN, each residual branch's last layer, the output
+        # Zero: each adaLN (scale = shift = 0, so adaLN is LayerNorm), each
+        # residual branch's last layer (every block starts as the
+        # identity), the output (v = 0 at first): adaLN-Zero
         streams = [m for m in self.modules() if isinstance(m, Stream)]
         zero = [s.adaln.weight for s in streams]
         zero += [s.proj.weight for s in streams if not s.qkv_only]
@@ -233,12 +269,16 @@ class DiT(nn.Module):
         h, w = x.shape[-2] // self.patch, x.shape[-1] // self.patch
         x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.positions(h, w)
         c = self.text_in(text)  # (B, L, D)
+        # the mean of the real tokens (padding excluded); the null
+        # caption's is 0
         m = mask[..., None].to(text.dtype)
-        pooled = (text * m).sum(1) / m.sum(1).clamp(min=1)  # (B, D_text)
+        text_mean = (text * m).sum(1) / m.sum(1).clamp(min=1)  # (B, D_text)
         t_emb = self.t_mlp(timestep_embedding(t, 256))
-        cond = F.silu(t_emb + self.pool_in(pooled))  # (B, D)
+        # SiLU once here, as DiT puts one before every adaLN Linear
+        cond = F.silu(t_emb + self.pool_in(text_mean))  # (B, D)
         for block in self.blocks:
             if self.grad_ckpt and torch.is_grad_enabled():
+                # keep only block inputs; recompute the rest in the backward
                 x, c = torch.utils.checkpoint.checkpoint(
                     block, x, c, mask, cond, use_reentrant=False)
             else:
@@ -282,7 +322,7 @@ def preset(name):
     return dict(SIZES[size], patch=int(patch))
 
 
-# ---- Skippable at first: devices, the frozen encoders ----------------
+# ==== A first read may skip the rest: devices, the frozen encoders ====
 def device():
     """The one place the device is picked: the current GPU, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"

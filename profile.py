@@ -46,9 +46,10 @@ else:
     import engine
     import expert_parallel
     import train
-    from data import atomic_write, read_json, read_text, write_json
+    from data import read_json, read_text, write_json
     from model import count_params, device
     from moe import MoE
+    from runfolder import atomic_write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PHASES = ("forward", "backward", "optimizer")
@@ -81,7 +82,7 @@ def get_parser():
         choices=["compute", "full", "dataloader", "suite", "recipe"],
         help="compute: a fixed batch; full: the real loop; dataloader: also the loader "
         "alone; suite: the claims; recipe: shapes and emoji runs")
-    add("--emoji", default="data/emoji", help="recipe: the emoji set (`data.py emoji DIR`)")
+    add("--emoji", default="data/emoji", help="recipe: the emoji set (`prepare.py emoji DIR`)")
     add("--claims", default="all", help="suite: a subset of " + ",".join(CLAIMS))
     add("--synthetic", help="random inputs C,SIDE,L,DTEXT (4,64,77,768: SD-VAE 512 px, CLIP-L)")
     add("--loader-batches", type=int, default=50, help="dataloader: batches timed")
@@ -122,7 +123,7 @@ def run_steps(run, args, n, batches, times=None, collectives=False):
     # A host sync in a timed GPU step raises, save where every step has one
     grouped = not args.moe or (args.moe_impl == "grouped" and args.precision == "bf16")
     check = times is not None and run.dev == "cuda" and grouped and not (
-        run.engine.partitioned or args.ep > 1 or collectives)
+        run.engine.optimizer_partitions or args.ep > 1 or collectives)
     # only the step: the encoders may sync
     in_step = [False]
 
@@ -243,14 +244,14 @@ def measure(args):
     # this rank's share (ZeRO, FSDP, --ep)
     res["opt_state_mb"] = engine.optimizer_bytes(run.opt) / 2 ** 20
     res["param_mb"] = engine.held_bytes(run.model.parameters()) / 2 ** 20
-    if run.engine.sharded:
+    if run.engine.splits_weights:
         # FSDP: more steps, each collective timed
         timed = {}
         run_steps(run, args, args.iters, batches, timed, collectives=True)
         comm = timed["communication"]
         res["communication_ms"] = 1e3 * statistics.median(comm)
         res["communication_share"] = sum(comm) / sum(sum(v) for v in timed.values())
-    elif run.world > 1 and not run.engine.partitioned:
+    elif run.world > 1 and not run.engine.optimizer_partitions:
         # DDP: vs the same steps unsynced (replicas drift; none saved)
         unsynced = {}
         with run.engine.forward.no_sync():
@@ -594,8 +595,8 @@ def suite(args):
 def recipe(args, argv):
     """train.py on shapes and emoji, per --compare value -> CLAIMS rows."""
     if not os.path.exists(os.path.join(args.emoji, "names.json")):
-        data_py = os.path.join(HERE, "data.py")
-        subprocess.run([sys.executable, data_py, "emoji", args.emoji], check=True)
+        prepare_py = os.path.join(HERE, "prepare.py")
+        subprocess.run([sys.executable, prepare_py, "emoji", args.emoji], check=True)
     flag, values = args.compare.split("=", 1) if args.compare else ("", "defaults")
     dropped = {"--compare", "--emoji", "--out", "--json", "--data"}
     base, md = without_flags(argv, dropped, {"recipe"}), list(CLAIMS_HEAD)

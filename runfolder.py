@@ -8,7 +8,10 @@
   events.out.tfevents.*  the same for TensorBoard
   samples/               the sample grids
 """
+import contextlib
 import dataclasses
+import json
+import math
 import os
 import random
 import shutil
@@ -26,7 +29,7 @@ import data
 import expert_parallel
 import flow
 import moe
-from data import append_json, atomic_write, write_json
+from data import write_json
 from engine import held_bytes, leave_distributed, optimizer_bytes
 from model import DiT, count_params
 
@@ -34,7 +37,7 @@ CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"
 # what defines the stream a data.Position points into
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")
 # --resume refuses a change to these without --override
-TRAJECTORY = DATA_FLAGS + (
+RESUME_FLAGS = DATA_FLAGS + (
     "steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop",
     "ema", "precision", "bias_rate", "text_encoder", "vae", "image_size")
 
@@ -62,7 +65,7 @@ def open_folder(args):
     shards = data.resolve_shards(args.data, args.image_size)
     # only the shards keep a URL's password and query token
     args.data = data.masked(args.data)
-    # from `data.py precompute` or sample.py --pairs
+    # from `prepare.py precompute` or sample.py --pairs
     precomputed = data.read_beside(shards[0], "precompute.json")
     if precomputed and precomputed.get("pairs") and not (args.init or args.resume):
         parent = precomputed["pairs"]
@@ -110,7 +113,7 @@ def banner(run, args, precomputed):
         parts.append(f"{run.world} ranks x {accum}{args.batch_size} = global batch {batch}")
     if args.ep > 1:
         parts.append(f"each rank holds {args.moe // args.ep} of {args.moe} experts per layer")
-    if run.engine.sharded:
+    if run.engine.splits_weights:
         ema = f" + {held:.2f} MB of EMA" if args.ema else ""
         parts.append(f"FSDP: each rank holds 1/{run.world} of every weight, here "
                      f"{held:.2f} MB + {2 * held:.2f} MB of AdamW moments{ema}")
@@ -119,6 +122,30 @@ def banner(run, args, precomputed):
 
 
 # ---- Checkpoints ----
+def atomic_write(path, write, keep=None):
+    """write(f) to `path` (the old to `keep`): a crash leaves the old file
+    or the new, never a torn one."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            # the bytes are on disk before a name points at them
+            os.fsync(f.fileno())
+        if keep and os.path.exists(path):
+            os.replace(path, keep)
+        os.replace(tmp, path)
+        # and so are the renames
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
 def write_checkpoint(run, args, ckpt, tag):
     """Rank 0: ckpt.pt, atomically, the one before kept -> False on an OSError."""
     prev = os.path.join(args.out, PREV)
@@ -141,7 +168,7 @@ def write_checkpoint(run, args, ckpt, tag):
 
 def save_checkpoint(run, args):
     """All ranks: rank 0 writes every state whole -> False on every rank on an OSError."""
-    tag = f"step{run.step:06d}" if run.engine.partitioned else None
+    tag = f"step{run.step:06d}" if run.engine.optimizer_partitions else None
     if tag:
         folder = os.path.join(args.out, "deepspeed")
         run.engine.ds.save_checkpoint(folder, tag=tag, save_latest=False)
@@ -206,7 +233,7 @@ def load_checkpoint(run, args):
     saved_world = len(ckpt["data"])  # a data.Position a rank
     resized = saved_world != run.world
     batch_kept = new_world(run, args, ckpt, name) if resized or "world" in args.override else False
-    changed = {k: (v, getattr(args, k)) for k in TRAJECTORY
+    changed = {k: (v, getattr(args, k)) for k in RESUME_FLAGS
                if (v := ckpt["args"].get(k)) != getattr(args, k)}
     allowed = args.override + ["grad_accum"] * batch_kept
     refused = {k: v for k, v in changed.items() if k not in allowed}
@@ -221,7 +248,7 @@ def load_checkpoint(run, args):
         raise SystemExit(f"--resume: the checkpoint holds another model ({differ}); pass "
                          f"its flags ({args.out}/args.json)")
     tag, dist_flag = ckpt["deepspeed_tag"], ckpt["args"]["dist"]
-    if (tag is not None) != run.engine.partitioned:
+    if (tag is not None) != run.engine.optimizer_partitions:
         raise SystemExit(f"--resume: {path} was written with --dist {dist_flag}: resume "
                          f"with --dist {dist_flag} on {saved_world} ranks")
     for k in ("model", "ema") if args.ema else ("model",):
@@ -270,7 +297,7 @@ def new_world(run, args, ckpt, name):
     saved, saved_world = ckpt["args"], len(ckpt["data"])
     resized = saved_world != run.world
     where = f"--resume: {args.out}/{name} was written by {saved_world} ranks"
-    if resized and (ckpt["deepspeed_tag"] is not None or run.engine.partitioned):
+    if resized and (ckpt["deepspeed_tag"] is not None or run.engine.optimizer_partitions):
         raise SystemExit(f"{where} with --dist {saved['dist']}; ZeRO-2 resumes only its own "
                          f"checkpoints, on as many ranks: resume with --dist {saved['dist']} on "
                          f"{saved_world} ranks; a run that may change its size trains with "
@@ -285,7 +312,7 @@ def new_world(run, args, ckpt, name):
     global_batch = saved["batch_size"] * saved["grad_accum"] * saved_world
     accum, left = divmod(global_batch, args.batch_size * run.world)
     # DeepSpeed fixes --grad-accum at its start
-    batch_kept = bool(accum and not left) and not run.engine.partitioned
+    batch_kept = bool(accum and not left) and not run.engine.optimizer_partitions
     if batch_kept:
         args.grad_accum = run.engine.grad_accum = accum
     new_batch = args.batch_size * args.grad_accum * run.world
@@ -319,6 +346,19 @@ def init_weights(model, config, path, dev, rank):
 
 
 # ---- Logs ----
+def append_json(f, rec):
+    """One JSON line to an open file, flushed; NaN and inf become null."""
+    def finite(x):
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+    if f:
+        f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
+        f.flush()
+
+
 def scalars(x, tag=""):
     """A record's numbers -> [(tag, number)], nesting flattened: 'eval/all'."""
     if isinstance(x, (dict, list)):
@@ -460,7 +500,7 @@ def finish(run, code, error=None):
     if dist.is_initialized() and not error:
         # FSDP: the ranks hold different shards
         same = None
-        if not run.engine.sharded:
+        if not run.engine.splits_weights:
             # rank 0's weights? (--ep: not its own experts)
             own_experts = expert_parallel.sharded_names(run.model)
             flat = torch.cat([p.detach().flatten() for k, p in run.model.named_parameters()
@@ -472,7 +512,7 @@ def finish(run, code, error=None):
         held = (same, held_bytes(run.model.parameters()), optimizer_bytes(run.opt))
         dist.all_gather_object(per_rank, held)
         if run.rank == 0:
-            if not run.engine.sharded:
+            if not run.engine.splits_weights:
                 agree = all(same for same, _, _ in per_rank)
                 print(f"parameters identical on all {run.world} ranks: {agree}")
             print(f"parameter bytes per rank: {[n for _, n, _ in per_rank]}")

@@ -22,9 +22,10 @@ from tqdm import tqdm
 import data
 import evaluate
 import flow
-from data import as_uint8, atomic_write, to_pil
+from data import as_uint8, to_pil
 from model import DiT, TextEncoder, device, load_vae
 from moe import MoE, default_impl
+from runfolder import atomic_write
 
 
 def get_parser():
@@ -84,13 +85,13 @@ def load(path, raw=False):
     DiT.check_layout(ckpt, path)
     model = DiT(**dict(ckpt["config"], moe_impl=default_impl(dev))).to(dev)
     model.load_weights(ckpt["model" if raw else "ema"], path)
-    targs = ckpt["args"]
-    model.vae = load_vae(targs["vae"], dev)
+    train_args = ckpt["args"]
+    model.vae = load_vae(train_args["vae"], dev)
     # the time grid it was trained on
-    model.t_shift = targs["t_shift"]
+    model.t_shift = train_args["t_shift"]
     model.buckets = ckpt["buckets"]  # [(W, H)], or None: square
     model.eval().requires_grad_(False)
-    return model, TextEncoder(targs["text_encoder"], device=dev), targs
+    return model, TextEncoder(train_args["text_encoder"], device=dev), train_args
 
 
 def noise(model, n, seed, size=None, factor=1):
@@ -176,7 +177,7 @@ def score_heldout(model, encoder, vae, names, grid, n_each, steps, cfg, seed, sh
 # ---- Reflow's pairs ----
 @torch.no_grad()
 def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
-    """(noise, the model's sample, caption) -> shards as data.py precompute
+    """(noise, the model's sample, caption) -> shards as prepare.py precompute
     writes them, plus noise.npy; `about` -> precompute.json. A shard is
     named once whole: a rerun skips it."""
     os.makedirs(out, exist_ok=True)
@@ -209,13 +210,14 @@ def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
 
 def main(argv=None):
     args = get_args(argv)
-    model, encoder, targs = load(args.ckpt, args.raw)
+    model, encoder, train_args = load(args.ckpt, args.raw)
     beside = os.path.dirname(args.ckpt)
     # the pictures behind a precomputed or pair folder
-    source, image_size = data.source(targs["data"]), targs["image_size"]
+    source, image_size = data.made_from(train_args["data"]), train_args["image_size"]
     if args.pairs:
-        about = dict({k: targs[k] for k in ("vae", "text_encoder", "image_size")}, source=source,
-                     pairs=args.ckpt, steps=args.steps, cfg=args.cfg, seed=args.seed)
+        encoders = {k: train_args[k] for k in ("vae", "text_encoder", "image_size")}
+        about = dict(encoders, source=source, pairs=args.ckpt, steps=args.steps, cfg=args.cfg,
+                     seed=args.seed)
         old = data.read_json(os.path.join(args.out, "precompute.json"))
         if old not in (None, about):
             raise SystemExit(f"{args.out} holds pairs drawn with {old}; "

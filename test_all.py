@@ -51,6 +51,7 @@ import evaluate
 import expert_parallel
 import flow
 import moe
+import prepare
 import runfolder
 import sample
 import train
@@ -714,29 +715,29 @@ def test_caption_drop_nulls_the_drawn_rows_as_the_model_receives_them(monkeypatc
     args = train.get_args(
         TINY + ["--image-size", "16", "--cfg-drop", "0.2", "--out", "/nonexistent"]
     )
-    S, keeps = train.setup(args), []
+    S, captioned = train.setup(args), []
     micro = synthetic_step_inputs(S)
     real, forward, (_, text, mask, _) = flow.drop_captions, DiT.forward, micro[0]
 
     # only which rows were drawn to be dropped: what the model receives is checked below
-    def spy(text, mask, keep):
-        keeps.append(keep)
-        return real(text, mask, keep)
+    def spy(text, mask, kept):
+        captioned.append(kept)
+        return real(text, mask, kept)
 
     def model_sees(self, x, t, seen_text, seen_mask):
         # kept captions reach the model as they are; dropped ones as the null caption
-        keep = keeps[-1]
-        assert torch.equal(seen_text[keep], text[keep]) and torch.equal(seen_mask[keep], mask[keep])
-        assert not seen_text[~keep].any() and not seen_mask[~keep].any()
+        kept = captioned[-1]
+        assert torch.equal(seen_text[kept], text[kept]) and torch.equal(seen_mask[kept], mask[kept])
+        assert not seen_text[~kept].any() and not seen_mask[~kept].any()
         return forward(self, x, t, seen_text, seen_mask)
 
     monkeypatch.setattr(flow, "drop_captions", spy)
     monkeypatch.setattr(DiT, "forward", model_sees)
     for _ in range(6):
         train.train_step(S, args, micro)
-    dropped = 1 - torch.cat(keeps).float().mean().item()
+    dropped = 1 - torch.cat(captioned).float().mean().item()
     # --cfg-drop 0.2 of 96 captions (not 0.8)
-    assert len(keeps) == 6 and 0.1 < dropped < 0.3, dropped
+    assert len(captioned) == 6 and 0.1 < dropped < 0.3, dropped
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1317,7 +1318,7 @@ def test_routing_maps_count_each_tokens_experts_under_its_t_colour_shape_and_pat
 
 
 # -----------------------------------------------------------------------------------------------
-# data.py: shards over ranks and workers, bad samples, buckets, built-in data; converter, emoji
+# data.py: shards over ranks and workers, bad samples, buckets, built-in data; prepare.py
 # -----------------------------------------------------------------------------------------------
 def read_all(shards, size=16, batch_size=1, **kw):
     out = list(data.ShardStream(shards, batch_size, size, **kw))
@@ -1626,7 +1627,7 @@ def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path, capsys):
     Image.new("RGB", (64, 64), B).save(src / "e_nocaption.png")
     for n in ("a_wide", "b_tall", "c_small", "d_corrupt"):
         (src / f"{n}.txt").write_text(f"caption of {n}")
-    m = data.write_shards(str(src), str(tmp_path / "out"), size=32, per_shard=1)
+    m = prepare.write_shards(str(src), str(tmp_path / "out"), size=32, per_shard=1)
     assert m["samples"] == 2 and [s["samples"] for s in m["shards"]] == [1, 1]
     # squares: no bucket counts printed
     assert "bucket" not in capsys.readouterr().out
@@ -1647,7 +1648,7 @@ def test_shard_converter_resizes_crops_skips_and_verifies(tmp_path, capsys):
     with open(tmp_path / "list.jsonl", "w") as f:
         for n in ("a_wide", "b_tall"):
             f.write(json.dumps(dict(path=f"imgs/{n}.png", caption=f"caption of {n}")) + "\n")
-    m2 = data.write_shards(
+    m2 = prepare.write_shards(
         str(tmp_path / "list.jsonl"), str(tmp_path / "out2"), size=32, per_shard=1
     )
     assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m["shards"]]
@@ -1681,7 +1682,7 @@ def test_converter_buckets_keep_each_photos_aspect_ratio_upright_and_never_upsam
         if name != "tall":
             img.save(src / f"{name}.png")
         (src / f"{name}.txt").write_text(name)
-    m = data.write_shards(str(src), str(tmp_path / "out"), size=64, per_shard=10, multiple=16)
+    m = prepare.write_shards(str(src), str(tmp_path / "out"), size=64, per_shard=10, multiple=16)
     # buckets(64, 16): 48x96 48x80 64x64 80x48 96x48; 3:2
     # -> 80x48, 640 x 200 (3.2:1) -> 2:1; 60 x 40 < 80 x 48
     want = {"wide": (80, 48), "tall": (48, 80), "square": (64, 64), "panorama": (96, 48)}
@@ -1715,8 +1716,8 @@ def test_converter_round_trip_on_real_photos(tmp_path):
         # lossless, so the only loss is the converter's JPEG
         Image.fromarray(arr).save(src / f"{name}.png")
         (src / f"{name}.txt").write_text(f"a photo of a {name}")
-    m = data.write_shards(str(src), str(tmp_path / "a"), size=256, per_shard=1)
-    again = data.write_shards(str(src), str(tmp_path / "b"), size=256, per_shard=1)
+    m = prepare.write_shards(str(src), str(tmp_path / "a"), size=256, per_shard=1)
+    again = prepare.write_shards(str(src), str(tmp_path / "b"), size=256, per_shard=1)
     assert m["samples"] == 2 and not m["skipped"]
     assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in again["shards"]]
     assert sha256sum_check(tmp_path / "a")[0] == 0
@@ -1766,7 +1767,7 @@ def test_converter_makes_any_image_upright_rgb_with_transparency_on_white(tmp_pa
     # ...and the tag "rotate 90 degrees clockwise to view": upright, red is on top
     exif[0x0112] = 6
     put("exif", photo, "JPEG", exif=exif, quality=100)
-    m = data.write_shards(str(src), str(tmp_path / "out"), size=16, per_shard=100)
+    m = prepare.write_shards(str(src), str(tmp_path / "out"), size=16, per_shard=100)
     assert m["samples"] == 6 and not m["skipped"]
     got = {
         s["txt"].decode(): np.asarray(Image.open(io.BytesIO(s["jpg"])), dtype=np.float32)
@@ -1790,7 +1791,7 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
 ):
     raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=2, per_shard=40)
     pre = str(tmp_path / "pre")
-    data.precompute(
+    prepare.precompute(
         str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16,
         text_encoder=SMALL_ENCODER,
     )
@@ -1799,14 +1800,14 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
     first = os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns
     # resumable: only the missing shard is redone
     os.remove(os.path.join(pre, "shapes-0001.tar"))
-    data.precompute(
+    prepare.precompute(
         str(tmp_path / "raw"), pre, vae=tiny_vae, image_size=16, batch_size=16,
         text_encoder=SMALL_ENCODER,
     )
     assert os.stat(os.path.join(pre, "shapes-0000.tar")).st_mtime_ns == first
     assert os.path.exists(os.path.join(pre, "shapes-0001.tar"))
     with pytest.raises(SystemExit, match="resume with those flags"):  # never mixes two encodings
-        data.precompute(
+        prepare.precompute(
             str(tmp_path / "raw"), pre, vae="none", image_size=16, text_encoder=SMALL_ENCODER
         )
     flags = TINY + ["--image-size", "16", "--patch", "2", "--vae", tiny_vae, "--steps", "4"]
@@ -1835,10 +1836,10 @@ def test_precompute_then_train_and_sample_through_the_vae_and_online_gives_the_s
         train.main(TINY + ["--image-size", "16", "--data", pre, "--out", str(tmp_path / "x")])
 
 
-def test_data_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
+def test_prepare_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
     def run(*a):
         return subprocess.run(
-            [sys.executable, "data.py", *map(str, a)],
+            [sys.executable, "prepare.py", *map(str, a)],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )
 
@@ -1871,12 +1872,13 @@ def test_data_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     pre = list(wds.tarfile_samples([{"url": str(tmp_path / "pre" / os.path.basename(raw[0]))}]))
     assert len(pre) == 20 and {"latent.npy", "text.npy", "mask.npy"} <= set(pre[0])
-    if not os.path.exists(data.EMOJI_FONT):
+    if not os.path.exists(prepare.EMOJI_FONT):
         assert not STRICT, (
-            f"CI needs the emoji font {data.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
+            f"CI needs the emoji font {prepare.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
         )
         pytest.skip(
-            f"python data.py emoji needs {data.EMOJI_FONT} (apt-get install fonts-noto-color-emoji)"
+            f"python prepare.py emoji needs {prepare.EMOJI_FONT} "
+            "(apt-get install fonts-noto-color-emoji)"
         )
     r = run("emoji", tmp_path / "emoji", "--categories", "food", "--size", "16")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -1907,18 +1909,18 @@ def emoji_set(tmp_path_factory):
     """A small named-picture set at 16 px: 8 food emoji from the font where it is installed (CI
     installs it), else 8 glyph-like pictures; shards and names.json."""
     out = str(tmp_path_factory.mktemp("emoji"))
-    if os.path.exists(data.EMOJI_FONT):
-        food = data.emoji_glyphs(["food"])
+    if os.path.exists(prepare.EMOJI_FONT):
+        food = prepare.emoji_glyphs(["food"])
         # real names, from unicodedata
         assert len(food) > 100 and "red apple" in [n for _, n, _ in food]
         glyphs = food[:: len(food) // 8][:8]
     else:
         # a laptop without the font: the same tests on drawn glyphs; CI must have it
         assert not STRICT, (
-            f"CI needs the emoji font {data.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
+            f"CI needs the emoji font {prepare.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
         )
         glyphs = glyph_like(8)
-    data.make_emoji(out, size=16, glyphs=glyphs)
+    prepare.make_emoji(out, size=16, glyphs=glyphs)
     return out, glyphs
 
 
@@ -1931,7 +1933,8 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
         s for shard in data.resolve_shards(out, 16) for s in wds.tarfile_samples([{"url": shard}])
     ]
     captions = sorted(s["txt"].decode() for s in samples)
-    assert captions == sorted(w.format(name=n) for n in names["names"] for w in data.EMOJI_WORDINGS)
+    wordings = prepare.EMOJI_WORDINGS
+    assert captions == sorted(w.format(name=n) for n in names["names"] for w in wordings)
     # kept for the eval
     assert not any(names["heldout"].format(name=n) in captions for n in names["names"])
     for s in samples:
@@ -3731,7 +3734,7 @@ def test_atomic_write_never_leaves_a_torn_file_and_keeps_the_previous_one(tmp_pa
     path, keep = str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt.prev.pt")
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    data.atomic_write(path, lambda f: f.write(b"first"))
+    runfolder.atomic_write(path, lambda f: f.write(b"first"))
     assert open(path, "rb").read() == b"first" and len(synced) == 2  # the file, then its folder
 
     def torn(f):  # half written, then the disk is full
@@ -3739,10 +3742,10 @@ def test_atomic_write_never_leaves_a_torn_file_and_keeps_the_previous_one(tmp_pa
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space"):
-        data.atomic_write(path, torn, keep=keep)
+        runfolder.atomic_write(path, torn, keep=keep)
     # no .tmp left
     assert open(path, "rb").read() == b"first" and sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
-    data.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
+    runfolder.atomic_write(path, lambda f: f.write(b"second"), keep=keep)
     assert open(path, "rb").read() == b"second" and open(keep, "rb").read() == b"first"
 
 
@@ -5178,7 +5181,8 @@ def test_every_documented_command_parses_and_the_readme_runs_in_order():
     as a fresh clone would run them, in order: no two fresh training runs write one --out, and each
     --data, --init, --ckpt path is written earlier."""
     parsers = {
-        "train.py": train.get_parser, "sample.py": sample.get_parser, "data.py": data.get_parser,
+        "train.py": train.get_parser, "sample.py": sample.get_parser,
+        "prepare.py": prepare.get_parser,
         "profile.py": lambda: load_profile_py().get_parser(),
         "model.py": lambda: argparse.ArgumentParser(),
     }
@@ -5215,5 +5219,5 @@ def test_every_documented_command_parses_and_the_readme_runs_in_order():
             written |= {a.out, f"{a.out}/ckpt.pt"}
         elif script == "sample.py" and a.pairs:
             written.add(a.out)
-        elif script == "data.py":
+        elif script == "prepare.py":
             written.add(a.out)

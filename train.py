@@ -28,7 +28,7 @@ import runfolder
 import sample
 from engine import Engine, FSDPEngine, init_distributed, make_engine
 from model import MODELS, DiT, TextEncoder, load_vae, preset, to_device
-from runfolder import CKPT, TRAJECTORY, Interrupted, StopSignals
+from runfolder import CKPT, RESUME_FLAGS, Interrupted, StopSignals
 
 
 # ---- Flags ----
@@ -163,9 +163,9 @@ def get_args(argv=None, parser=None):
     args.compile = (args.compile or ("on" if compiles else "off")) == "on"
     args.override = [name.strip().lstrip("-").replace("-", "_")
                      for names in args.override for name in names.split(",") if name.strip()]
-    if set(args.override) - set(TRAJECTORY) - {"world"}:
+    if set(args.override) - set(RESUME_FLAGS) - {"world"}:
         p.error(f"--override: {args.override!r}; choose from world,"
-                f"{','.join(k.replace('_', '-') for k in TRAJECTORY)}")
+                f"{','.join(k.replace('_', '-') for k in RESUME_FLAGS)}")
     found = runfolder.holds_checkpoint(args.out)
     args.resume = args.resume or (args.auto_resume and found)
     # a resume takes its checkpoint's
@@ -274,37 +274,28 @@ def train_step(run, args, micro_batches, mark=None):
         t, noise, drops -> flow loss (+ balance loss) -> backward
         -> clip at 1.0 -> AdamW -> schedule -> EMA
 
-    Every rank draws the global batch's t, noise and caption drops and
-    keeps its slice: a run does not depend on how the batch is split. A
-    non-finite loss or gradient norm changes no weight, moment or EMA."""
+    A non-finite loss or gradient norm changes no weight, moment or EMA."""
     # profile.py times the phases
     mark = mark or (lambda phase: None)
-    dev, per_rank = run.dev, micro_batches[0][0].shape[0]
-    per_micro = per_rank * run.world
-    global_batch = per_micro * len(micro_batches)
-    keep = torch.rand(global_batch, generator=run.gen, device=dev) >= args.cfg_drop
-    t_all = flow.sample_t(global_batch, args.t_dist, run.gen, dev, args.t_shift)
-    # this rank's rows of a micro-batch; `rows`: of the global batch
-    lo, hi = run.rank * per_rank, (run.rank + 1) * per_rank
-    bf16 = args.precision == "bf16"
-    loss, balance, t, per_sample = 0, 0, [], []
-    for i, (x0, text, mask, noise) in enumerate(micro_batches):
-        rows = slice(i * per_micro + lo, i * per_micro + hi)
-        text, mask = flow.drop_captions(text, mask, keep[rows])
-        eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)
-        eps = eps[lo:hi] if noise is None else noise  # reflow: its pair's
-        with run.engine.micro_batch(last=i == len(micro_batches) - 1):
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+    n_micro, bf16 = len(micro_batches), args.precision == "bf16"
+    # MoE: each expert's load summed over the ranks (dense: unused)
+    all_reduce = dist.all_reduce if run.world > 1 else None
+    draws = this_ranks_draws(run, args, micro_batches)
+    loss, balance, per_sample = 0, 0, []
+    for i, ((x0, text, mask, _), (captioned, t, eps)) in enumerate(zip(micro_batches, draws)):
+        # the null caption where dropped: guidance's unconditional model
+        text, mask = flow.drop_captions(text, mask, captioned)
+        # DDP reduces the gradients in the last micro-batch's backward
+        with run.engine.micro_batch(last=i == n_micro - 1):
+            with torch.autocast(run.dev, dtype=torch.bfloat16, enabled=bf16):
                 loss_i, per_sample_i = flow.flow_loss(
-                    run.engine.forward, x0, text, mask, t_all[rows], eps, args.contrast)
-                all_reduce = dist.all_reduce if run.world > 1 else None
+                    run.engine.forward, x0, text, mask, t, eps, args.contrast)
                 balance_i = moe.balance_loss(run.model, all_reduce)  # dense: 0
             mark("forward")
             run.engine.backward(loss_i + balance_i)
             mark("backward")
-        loss = loss + per_sample_i.detach().mean() / len(micro_batches)
-        balance = balance + balance_i.detach() / len(micro_batches)
-        t.append(t_all[rows])
+        loss = loss + per_sample_i.detach().mean() / n_micro
+        balance = balance + balance_i.detach() / n_micro
         per_sample.append(per_sample_i.detach())
     # for the log: the lr this step runs at
     lr = run.opt.param_groups[0]["lr"]
@@ -312,22 +303,49 @@ def train_step(run, args, micro_batches, mark=None):
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)
     run.sched.step()
     run.step += 1
-    # EMA <- EMA + (1 - decay)(model - EMA), in one op; a bad step: + 0.
-    # The decay warms up: a short run's EMA keeps up.
-    decay = min(args.ema, (1 + run.step) / (10 + run.step))
     if args.ema:
-        with torch.no_grad():
-            ema = list(run.ema.parameters())
-            model = list(run.model.parameters())
-            weight = (~bad_step).float() * (1 - decay)
-            torch._foreach_lerp_(ema, model, [weight] * len(ema))
-            # --balance bias: the EMA routes alike
-            for target, source in zip(run.ema.buffers(), run.model.buffers()):
-                target.copy_(source)
+        # warmed up: early on the EMA keeps up with a short run
+        decay = min(args.ema, (1 + run.step) / (10 + run.step))
+        update_ema(run.ema, run.model, decay, skip=bad_step)
     count_bad_step(run, bad_step)
     mark("optimizer")
-    return dict(loss=loss, balance=balance, t=torch.cat(t), lr=lr,
-                per_sample=torch.cat(per_sample), grad_norm=grad_norm, bad_step=bad_step)
+    t = torch.cat([t for _, t, _ in draws])
+    return dict(loss=loss, balance=balance, t=t, lr=lr, per_sample=torch.cat(per_sample),
+                grad_norm=grad_norm, bad_step=bad_step)
+
+
+def this_ranks_draws(run, args, micro_batches):
+    """-> [(captioned (b,), t (b,), eps (b, C, H, W))] per micro-batch: this
+    rank's rows of the global batch's caption drops, times and noise.
+
+    Every rank draws the whole global batch from one generator and keeps
+    its slice, so a run does not depend on how the batch is split over
+    ranks and micro-batches (2 ranks x 8 trains as 1 x 16)."""
+    dev, per_rank = run.dev, micro_batches[0][0].shape[0]
+    per_micro = per_rank * run.world
+    n = per_micro * len(micro_batches)
+    # p = --cfg-drop of the null caption (Ho & Salimans 2022)
+    captioned = torch.rand(n, generator=run.gen, device=dev) >= args.cfg_drop
+    t = flow.sample_t(n, args.t_dist, run.gen, dev, args.t_shift)
+    lo, hi, draws = run.rank * per_rank, (run.rank + 1) * per_rank, []
+    for i, (x0, _, _, noise) in enumerate(micro_batches):
+        rows = slice(i * per_micro + lo, i * per_micro + hi)
+        eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)[lo:hi]
+        # reflow trains each picture with the noise it was drawn from
+        draws.append((captioned[rows], t[rows], eps if noise is None else noise))
+    return draws
+
+
+@torch.no_grad()
+def update_ema(ema, model, decay, skip):
+    """EMA <- EMA + (1 - decay)(model - EMA), one fused op over all
+    weights (DiT's update_ema); a skipped step adds 0, read on the device."""
+    ema_params, model_params = list(ema.parameters()), list(model.parameters())
+    weight = (~skip).float() * (1 - decay)
+    torch._foreach_lerp_(ema_params, model_params, [weight] * len(ema_params))
+    # --balance bias: the router's biases are buffers; the EMA routes alike
+    for ema_buffer, model_buffer in zip(ema.buffers(), model.buffers()):
+        ema_buffer.copy_(model_buffer)
 
 
 # ---- The loop ----
@@ -341,8 +359,8 @@ def start_run(args):
     factor = run.vae.factor if run.vae else 1
     run.buckets = data.bucket_shares(shards, args.image_size, args.patch * factor)
     # FSDP: every rank runs the sampling forwards
-    if run.rank == 0 or run.engine.sharded:
-        run.names = evaluate.names_set(data.source(args.data), args.image_size)
+    if run.rank == 0 or run.engine.splits_weights:
+        run.names = evaluate.names_set(data.made_from(args.data), args.image_size)
     else:
         run.names = None
     runfolder.resume_or_record(run, args)
@@ -454,7 +472,7 @@ def count_bad_step(run, bad_step):
 def sample_grid(run, args, ema, final=False):
     """The EMA draws each held-out prompt (or name) once, from fixed noise,
     or at the end --eval-n times, scored."""
-    if run.rank != 0 and not run.engine.sharded:
+    if run.rank != 0 and not run.engine.splits_weights:
         return
     name = "eval.png" if final else f"step_{run.step:06d}.png"
     path = os.path.join(args.out, "samples", name)
