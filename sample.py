@@ -110,6 +110,7 @@ def sample_images(model, encoder, vae, captions, steps, cfg, seed, shift=1.0, ba
     images, straightness = [], []
     for i in range(0, len(captions), batch):
         part = captions[i:i + batch]
+        # seeded by position: a prompt's picture does not depend on --batch
         start = noise(model, len(part), seed + i, size, vae.factor if vae else 1)
         x, path = flow.generate(model, encoder, part, start, steps, cfg, shift)
         images.append((x if vae is None else vae.decode(x)).cpu())
@@ -317,7 +318,7 @@ def routing_maps(model, encoder, size, out_dir, seed=0, t_bins=5):
     x0 = x0 if model.vae is None else model.vae.encode(x0).cpu()
     text, mask = encoder([p for p, _ in prompts])
     dev = next(model.parameters()).device
-    labels = {"timestep": [f"t~{(b + 0.5) / t_bins:.1f}" for b in range(t_bins)],
+    labels = {"timestep": [f"t≈{(b + 0.5) / t_bins:.1f}" for b in range(t_bins)],
               "colour": list(data.COLORS), "shape": data.SHAPES}
     counts = {key: torch.zeros(L, len(ticks), E) for key, ticks in labels.items()}
     counts["position"] = torch.zeros(L, E, n * n)
