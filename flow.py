@@ -9,6 +9,7 @@ Fast"; SD3, Esser et al. 2024):
     loss:                           E_t,eps || v_theta(z_t, c, t) - v* ||^2
     sampling from t = 1 to 0:       x <- x + (t_next - t) v
     guidance (Ho & Salimans 2022):  v = v_u + w (v_c - v_u)
+      (their w is this w - 1: w = 1 is no guidance)
     time shift (SD3, sec. 5.3.2):   t' = s t / (1 + (s - 1) t)
     contrastive flow matching:      loss - lambda E || v_theta - v*~ ||^2,
       v*~ its neighbour's target: samples 2k and 2k + 1 of the batch
@@ -21,8 +22,8 @@ Reflow (the paper's "2-rectified flow"): the paths still bend where the
 lines of independent (eps, x0) pairs cross, as v* averages the crossing
 directions. Pairs from the trained model, x0 = Euler(eps) (`sample.py
 --pairs`), do not cross; training again on them (`train.py --data PAIRS
---init CKPT`, eps the stored noise) straightens the paths: one or two
-Euler steps land where 25 did. The paper's straightness, 0 if straight:
+--init CKPT`, eps the stored noise) straightens the paths: two Euler
+steps land where 25 did. The paper's straightness, 0 if straight:
 
     S = int_0^1 E || (x1 - x0) - v(z_t, t) ||^2 dt
       = int_0^1 E || v ||^2 dt  -  E || x1 - x0 ||^2
@@ -37,8 +38,9 @@ def shift_t(t, s=1.0):
     """SD3's time shift t' = s t / (1 + (s - 1) t) of training times and the
     sampler's grid: it fixes 0 and 1; s > 1 spends more time near noise.
     At a given t a larger image's coarse structure is easier to read (more
-    pixels see the same noise); shifting t toward 1 restores the SNRs the
-    schedule was tuned for (SD3: s = 3 at 1024 px)."""
+    pixels carry the same signal, while the noise is independent per
+    pixel); shifting t toward 1 restores the SNRs the schedule was tuned
+    for (SD3: s = 3 at 1024 px)."""
     return t if s == 1 else s * t / (1 + (s - 1) * t)
 
 
@@ -74,7 +76,8 @@ def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
         || v - a ||^2 - lambda || v - b ||^2
             = (1 - lambda) || v - (a - lambda b) / (1 - lambda) ||^2 + const,
 
-    a regression onto its own target a, moved away from another caption's.
+    a regression onto its own target a, moved away from (usually) another
+    caption's.
     Pairs never straddle an even cut, so any split of the global batch
     into even micro-batches and ranks gives the same pairs. The
     per-sample loss (logged) is the plain one."""
@@ -90,7 +93,7 @@ def flow_loss(model, x0, text, mask, t, eps, contrast=0.0):
     if x0.shape[0] % 2:
         raise ValueError(f"contrastive flow matching pairs samples: a batch of "
                          f"{x0.shape[0]} is odd; use an even --batch-size")
-    # 0 <-> 1, 2 <-> 3, ...: batches are shuffled, so another caption's
+    # 0 <-> 1, 2 <-> 3, ...: batches are shuffled, so usually another caption's
     swapped = target.unflatten(0, (-1, 2)).flip(1).flatten(0, 1)
     other = ((v - swapped) ** 2).mean(dim=dims)
     return per_sample.mean() - contrast * other.mean(), per_sample
@@ -129,6 +132,7 @@ def cfg_velocity(model, text, mask, null_text, null_mask, w):
     def velocity(x, t):
         both = model(torch.cat([x, x]), torch.cat([t, t]),
                      torch.cat([text, null_text]), torch.cat([mask, null_mask]))
+        # in fp32: w > 1 magnifies the two halves' bf16 rounding
         v_c, v_u = both.float().chunk(2)
         return v_u + w * (v_c - v_u)
     return velocity

@@ -10,8 +10,9 @@ Diffusion Transformer with two token streams.
         adaLN(s) -> Q, K, V -> RMSNorm(Q), RMSNorm(K)
         one joint attention over [c; x], text padding masked
         s <- s + Linear(o);  s <- s + SwiGLU(adaLN(s))
-    SD3's two residuals, ungated; their last layers and the output layer
-    start at zero (the untrained net predicts v = 0).
+    SD3's two residuals, here without SD3's and DiT's gates: instead of
+    the gates, each branch's last layer and the output layer start at
+    zero (every block starts as the identity, the net predicts v = 0).
 
 The last layer's text stream only gives Q, K, V (SD3's "pre-only").
 After the MM-DiT: DiT's sizes; then, after a banner, what a first read
@@ -79,7 +80,7 @@ def attention(q, k, v, visible, impl="sdpa"):
 
     q, k, v (B, H, S, d); visible (B, S) bool: the keys a query may attend.
     "manual" writes it out; "sdpa" lets PyTorch pick; "cudnn" tries cuDNN's
-    kernel first (on a CPU: sdpa). All give the same numbers."""
+    kernel first (on a CPU: sdpa). All give the same numbers, up to rounding."""
     if impl == "manual":
         # / sqrt(d): dot products of d unit-variance terms have variance d;
         # unscaled, the softmax saturates (Vaswani et al. 2017)
@@ -91,7 +92,7 @@ def attention(q, k, v, visible, impl="sdpa"):
     if impl == "cudnn":
         kernels = sdpa_kernel(CUDNN_FIRST, set_priority=True)
     with kernels:
-        # the (B, H, S, S) scores are never held whole in memory
+        # the fused kernels never hold the (B, H, S, S) scores whole
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
 
 
@@ -114,9 +115,9 @@ class Stream(nn.Module):
         # no affine: adaLN's per-sample scale and shift take its place
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(dim, 3 * dim)
-        # QK-norm (SD3 sec. 5.3.2, after Dehghani et al. 2023): the
-        # logits stay bounded, so attention cannot collapse onto one key
-        # as weights grow, which makes long bf16 runs diverge
+        # QK-norm (SD3 sec. 5.3.2, after Dehghani et al. 2023): the logits
+        # grow only through the norms' gains, which keeps attention from
+        # collapsing onto one key as weights grow (long bf16 runs diverge)
         self.q_norm = nn.RMSNorm(dim // heads, eps=1e-6)
         self.k_norm = nn.RMSNorm(dim // heads, eps=1e-6)
         if not qkv_only:
@@ -205,14 +206,18 @@ class DiT(nn.Module):
         self.pos = nn.Parameter(sincos_2d(self.n_max, width, first)[None])
         # a patch p x p x C -> one D-vector: a Linear applied per patch
         self.patch_embed = nn.Conv2d(in_channels, width, patch, stride=patch)
+        # 256 sinusoidal features of t (DiT's frequency embedding) -> t~
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
         # token states -> the text stream; their mean -> t~, so the caption
         # steers every layer's adaLN, not only through attention
         self.text_in = nn.Linear(text_dim, width)
+        # (of the text mean; a checkpoint key)
         self.pool_in = nn.Linear(text_dim, width)
         self.blocks = nn.ModuleList([
             Block(width, heads, last=(i == depth - 1), attn=attn, moe=moe_args)
             for i in range(depth)])
+        # the output's own adaLN (DiT's final layer): t~ and the caption
+        # modulate the last projection as they do every block's
         self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.final_adaln = nn.Linear(width, 2 * width)
         # each token -> its patch's p x p x C velocity

@@ -2961,7 +2961,7 @@ def ep_layer_worker(rank, world=4):
 
 def test_expert_parallel_layer_equals_the_whole_layer_in_one_process():
     """4 ranks, --ep 2: each holds 2 of 4 experts, rows travel by all-to-all both ways, each
-    expert's gradient is summed over its 2 copies: the outputs, the input gradients and every
+    expert's gradient is summed over its 2 replicas: the outputs, the input gradients and every
     parameter's gradient are the one-process layer's, sorted and grouped, also where a rank's
     experts get no row."""
     worker_ranks(ep_layer_worker, 4)
@@ -3556,7 +3556,7 @@ def test_expert_parallel_with_ema_and_bias_balancing_on_2_and_4_ranks_equals_one
     """--moe 4 --ema --balance bias on samples that differ, a global batch
     of 8: one process; --ep 2 on 2 ranks; --ep 2 on 4 ranks (two groups, each
     expert held twice). The weights, the EMA and the routing biases agree:
-    an expert's gradient sums its copies, the loads that nudge the biases
+    an expert's gradient sums its replicas, the loads that nudge the biases
     are the global batch's, the EMA of each held expert moves as its
     weights do."""
     monkeypatch.setattr(data, "batches", global_stream(4 * 8))

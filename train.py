@@ -240,12 +240,12 @@ def setup(args, shape=None):
     if args.init and not args.resume:
         runfolder.init_weights(model, config, args.init, dev, rank)
     ema = copy.deepcopy(model).requires_grad_(False) if args.ema else model
-    copies = [model, ema] if args.ema else [model]
+    models = [model, ema] if args.ema else [model]
     # a rank holds 1/ep of the experts (--ep), or 1/world of each weight
     # (FSDP): so of their gradients and AdamW state
-    expert_parallel.shard_experts(copies, args.ep)
+    expert_parallel.shard_experts(models, args.ep)
     if args.dist == "fsdp":
-        FSDPEngine.shard(copies, dev, bf16=args.precision == "bf16")
+        FSDPEngine.shard(models, dev, bf16=args.precision == "bf16")
     # fused: one kernel for the update, which skips a bad step on the device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 
@@ -278,7 +278,8 @@ def train_step(run, args, micro_batches, mark=None):
     # profile.py times the phases
     mark = mark or (lambda phase: None)
     n_micro, bf16 = len(micro_batches), args.precision == "bf16"
-    # MoE: each expert's load summed over the ranks (dense: unused)
+    # MoE: the balance loss counts the global batch's loads, as one
+    # process would (dense: unused)
     all_reduce = dist.all_reduce if run.world > 1 else None
     draws = this_ranks_draws(run, args, micro_batches)
     loss, balance, per_sample = 0, 0, []
@@ -292,15 +293,20 @@ def train_step(run, args, micro_batches, mark=None):
                     run.engine.forward, x0, text, mask, t, eps, args.contrast)
                 balance_i = moe.balance_loss(run.model, all_reduce)  # dense: 0
             mark("forward")
+            # engine.backward divides by --grad-accum: the step's mean
             run.engine.backward(loss_i + balance_i)
             mark("backward")
+        # logged: the plain flow loss (without --contrast's term)
         loss = loss + per_sample_i.detach().mean() / n_micro
         balance = balance + balance_i.detach() / n_micro
         per_sample.append(per_sample_i.detach())
     # for the log: the lr this step runs at
     lr = run.opt.param_groups[0]["lr"]
+    # clip at 1.0, AdamW; a non-finite loss or norm skips it on every rank
     grad_norm, bad_step = run.engine.step(loss + balance)
+    # --balance bias: toward the less-loaded experts (DeepSeek-V3)
     moe.nudge_biases(run.model, args.bias_rate, skip=bad_step)
+    # skipped steps count too: the lr stays a function of run.step
     run.sched.step()
     run.step += 1
     if args.ema:
@@ -320,7 +326,9 @@ def this_ranks_draws(run, args, micro_batches):
 
     Every rank draws the whole global batch from one generator and keeps
     its slice, so a run does not depend on how the batch is split over
-    ranks and micro-batches (2 ranks x 8 trains as 1 x 16)."""
+    ranks (2 ranks x 8 trains as 1 x 16). Micro-batches draw their noise
+    in turn: on a CPU the same numbers as one draw (the tests check it);
+    on CUDA, untested, its generator may give others."""
     dev, per_rank = run.dev, micro_batches[0][0].shape[0]
     per_micro = per_rank * run.world
     n = per_micro * len(micro_batches)
@@ -339,7 +347,8 @@ def this_ranks_draws(run, args, micro_batches):
 @torch.no_grad()
 def update_ema(ema, model, decay, skip):
     """EMA <- EMA + (1 - decay)(model - EMA), one fused op over all
-    weights (DiT's update_ema); a skipped step adds 0, read on the device."""
+    weights (DiT's update_ema, fused); a skipped step adds 0, read on the
+    device."""
     ema_params, model_params = list(ema.parameters()), list(model.parameters())
     weight = (~skip).float() * (1 - decay)
     torch._foreach_lerp_(ema_params, model_params, [weight] * len(ema_params))
