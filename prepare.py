@@ -55,8 +55,8 @@ def list_images(src):
 
 def write_shards(src, out, size=256, per_shard=1000, quality=95, multiple=0):
     """Images -> shards {__key__, jpg, txt, json}, manifest.json, SHA256SUMS;
-    each data.cover_crop'ed to `size` (`multiple`: its data.nearest bucket), smaller
-    ones skipped."""
+    each cover-cropped to `size` (`multiple`: to its nearest bucket),
+    smaller ones skipped."""
     items, skipped, shards = list_images(src), [], []
     sink, n, counts = None, 0, collections.Counter()
     os.makedirs(out, exist_ok=True)

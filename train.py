@@ -1,5 +1,6 @@
 """train.py -- train the MM-DiT with rectified flow; `python train.py` is
-the whole CPU demo.
+the whole CPU demo. In nanoGPT's order: the flags, the set-up, one step
+(train_step: the method), the loop; then what a first read may skip.
 
 engine.py puts one process, DDP, ZeRO-2 and FSDP2 behind the step's calls;
 runfolder.py keeps checkpoints, logs, stop signals and exits.
