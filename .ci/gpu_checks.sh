@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU measurements CLAIMS.md's "One H200" rows wait for, in two parts, each command under its own time limit
+# The GPU measurements CLAIMS.md waits for (its GPU rows), in two parts, each command under its own time limit
 # (LIMIT seconds, the sum within 10 minutes a part), most wanted first.
 # Run from the repository root on a machine with one CUDA GPU; the results go to $OUT/gpu (default out/gpu).
 #   bash .ci/gpu_checks.sh step    # B/2: step time, MFU, the attention kernel the trace names, no host sync in the
