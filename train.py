@@ -316,7 +316,7 @@ def train_step(run, args, micro_batches, mark=None):
         update_ema(run.ema, run.model, decay, skip=bad_step)
     count_bad_step(run, bad_step)
     mark("optimizer")
-    t = torch.cat([t for _, t, _ in draws])
+    t = torch.cat([t_i for _, t_i, _ in draws])
     return dict(loss=loss, balance=balance, t=t, lr=lr, per_sample=torch.cat(per_sample),
                 grad_norm=grad_norm, bad_step=bad_step)
 
