@@ -84,7 +84,8 @@ def attention(q, k, v, visible, impl="sdpa"):
     if impl == "manual":
         # / sqrt(d): dot products of d unit-variance terms have variance d;
         # unscaled, the softmax saturates (Vaswani et al. 2017)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, S, S)
+        # (B, H, S, S) scores held whole: the memory hog SDPA's kernels avoid
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         # -inf: exp(-inf) = 0, a hidden key gets no weight at all
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         return scores.softmax(dim=-1) @ v
