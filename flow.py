@@ -30,8 +30,30 @@ steps land where 25 did. The paper's straightness, 0 if straight:
 
 (the second form as an Euler path's steps sum to x1 - x0), estimated on
 the sampler's own steps, x1 its noise and x0 where it lands.
+
+MeanFlow (Geng, Deng, Bai, Kolter, He 2025, "Mean Flows for One-step
+Generative Modeling"): one run, no second stage. The network learns the
+average velocity between two times r <= t instead of v at one:
+
+    u(z_t, r, t) = 1 / (t - r) int_r^t v(z_s, s) ds,   u(z_t, t, t) = v
+    jump from t to r:               z_r = z_t - (t - r) u(z_t, r, t)
+    one step, noise to data:        x0 = z_1 - u(z_1, 0, 1)
+
+Differentiating (t - r) u = int_r^t v ds in t gives the identity it
+trains on, with du/dt the total derivative along the path (dz/dt = v,
+dr/dt = 0, dt/dt = 1): one Jacobian-vector product along (v, 0, 1):
+
+    u = v - (t - r) du/dt,          du/dt = v d_z u + d_t u
+    target (no gradient):           u* = v - (t - r) sg(du/dt)
+    loss:                           sg(w) || u - u* ||^2,
+                                    w = 1 / (|| u - u* ||^2 + c)^p
+    guidance in the target:         v~ = w_g v + (1 - w_g) u(z_t, t, t | null)
+
+r = t makes u* = v: the rectified-flow loss (with p = 0). The
+Euler sampler above is the same jump with v in place of u.
 """
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def shift_t(t, s=1.0):
@@ -117,7 +139,8 @@ def euler(velocity, x, steps, shift=1.0):
     ts = shift_t(torch.linspace(1, 0, steps + 1, device=x.device), shift)
     x1, energy = x, 0
     for t, t_next in zip(ts[:-1], ts[1:]):
-        v = velocity(x, t.expand(x.shape[0]))
+        # a MeanFlow model's v: its average velocity from t to t_next
+        v = velocity(x, t.expand(x.shape[0]), t_next.expand(x.shape[0]))
         # t_next < t: a step against the velocity, from noise toward data
         x = x + (t_next - t) * v
         energy = energy + (t - t_next) * v.pow(2).flatten(1).mean(1)
@@ -127,11 +150,15 @@ def euler(velocity, x, steps, shift=1.0):
 def cfg_velocity(model, text, mask, null_text, null_mask, w):
     """Guided velocity v_u + w (v_c - v_u): w = 1 is the captioned model
     alone; w > 1 moves further from the uncaptioned one, toward what the
-    caption adds (sharper, more on-caption, less varied)."""
+    caption adds (sharper, more on-caption, less varied). A MeanFlow model
+    gives u(x, r, t); rectified flow's ignores r."""
     # both halves in one batched forward: one pass of 2B, not two of B
-    def velocity(x, t):
-        both = model(torch.cat([x, x]), torch.cat([t, t]),
-                     torch.cat([text, null_text]), torch.cat([mask, null_mask]))
+    def velocity(x, t, r):
+        if w == 1:
+            # MeanFlow's one step is one forward: its guidance is trained in
+            return model(x, t, text, mask, r).float()
+        both = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([text, null_text]),
+                     torch.cat([mask, null_mask]), torch.cat([r, r]))
         # in fp32: w > 1 magnifies the two halves' bf16 rounding
         v_c, v_u = both.float().chunk(2)
         return v_u + w * (v_c - v_u)
@@ -158,3 +185,73 @@ def generate(model, encode, captions, noise, steps=25, cfg=2.0, shift=1.0):
     null_text, null_mask = null_caption(text, mask)
     velocity = cfg_velocity(model, text, mask, null_text, null_mask, cfg)
     return euler(velocity, noise, steps, shift)
+
+
+# ---- MeanFlow: one step from one run ---------------------------------
+# Its paper's choices: r != t in a quarter of the draws, p = 1, c = 1e-3
+C_WEIGHT = 1e-3
+
+
+def sample_t_r(n, share, dist="logit-normal", generator=None, device="cpu", shift=1.0):
+    """-> (t, r) (n,): in a `share` of pairs two time draws, t the later
+    and r the earlier; in the rest r = t, t drawn as sample_t draws it."""
+    a = sample_t(n, dist, generator, device, shift)
+    b = sample_t(n, dist, generator, device, shift)
+    apart = torch.rand(n, generator=generator, device=device) < share
+    t = torch.where(apart, torch.maximum(a, b), a)
+    return t, torch.where(apart, torch.minimum(a, b), a)
+
+
+@torch.no_grad()
+def time_derivative(model, z, r, t, v, text, mask):
+    """du/dt = v d_z u + d_t u at (z, r, t) (B, ...): the network's change
+    along the path, one forward-mode JVP along the tangent (v, 0, 1)."""
+    def u(z, t):
+        return model(z, t, text, mask, r)
+    # forward mode computes u and du/dt in one pass (reverse mode would
+    # need a backward per output); SDPA's fused CPU kernel has no
+    # forward-mode rule (pytorch#128971), its math backend has
+    with sdpa_kernel([SDPBackend.MATH]):
+        return torch.func.jvp(u, (z, t), (v, torch.ones_like(t)))[1].float()
+
+
+@torch.no_grad()
+def guided_velocity(model, z, t, v, text, mask, captioned, guidance):
+    """v~ = w_g v + (1 - w_g) u(z_t, t, t | null) on captioned rows: the
+    guided field's velocity, its unguided half the network's own (its
+    null-caption output at r = t); the null-caption rows keep v."""
+    if guidance == 1 or not captioned.any():
+        return v
+    null_text, null_mask = null_caption(text[captioned], mask[captioned])
+    v_null = model(z[captioned], t[captioned], null_text, null_mask, t[captioned]).float()
+    guided = v.clone()
+    guided[captioned] = guidance * v[captioned] + (1 - guidance) * v_null
+    return guided
+
+
+def meanflow_loss(model, x0, text, mask, t, r, eps, captioned=None, guidance=1.0,
+                  power=1.0, target_model=None):
+    """-> (loss, per-sample || u - u* ||^2 (B,)) at times r <= t (B,).
+
+    target_model: the network that makes the target, without gradients
+    (train.py: the model unwrapped, as DDP's wrapper would sync)."""
+    target_model = target_model or model
+    z = interpolate(x0, eps, t)
+    v = guided_velocity(target_model, z, t, eps - x0, text, mask, captioned, guidance)
+    target = v
+    # at r = t the JVP's term is 0: only the r < t rows need it
+    apart = r < t
+    if apart.any():
+        du_dt = time_derivative(target_model, z[apart], r[apart], t[apart], v[apart],
+                                text[apart], mask[apart])
+        gap = (t - r)[apart].view(-1, *([1] * (x0.dim() - 1)))
+        target = v.clone()
+        target[apart] = v[apart] - gap * du_dt
+    u = model(z, t, text, mask, r).float()
+    dims = tuple(range(1, x0.dim()))
+    # the mean over pixels, as flow_loss (so c is per pixel)
+    per_sample = ((u - target) ** 2).mean(dim=dims)
+    # the paper's adaptive weight: p = 1 makes the loss ~ log || u - u* ||^2,
+    # so the few large errors (early, or at large t - r) do not drown the rest
+    weight = (per_sample.detach() + C_WEIGHT) ** -power
+    return (weight * per_sample).mean(), per_sample

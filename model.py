@@ -5,7 +5,8 @@ Diffusion Transformer with two token streams.
     centre crop of one learned position table (SD3's: all aspect ratios
     up to 1:2 share one centre);
   * conditioning: t~ = MLP(sinusoid(t)) + Linear(mean text token) sets
-    every adaLN's scale and shift, zero at init (DiT's adaLN-Zero);
+    every adaLN's scale and shift, zero at init (DiT's adaLN-Zero); a
+    MeanFlow model (flow.py) adds MLP(sinusoid(t - r)) of its second time;
   * per stream s (text c, image x), each with its own weights:
         adaLN(s) -> Q, K, V -> RMSNorm(Q), RMSNorm(K)
         one joint attention over [c; x], text padding masked
@@ -45,14 +46,19 @@ def modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def timestep_embedding(t, dim, max_period=10000):
-    """Sinusoidal features (B, dim) of t in [0, 1] (Transformer, DiT)."""
+def timestep_embedding(t, dim, max_period=10000, scale=1000):
+    """Sinusoidal features (B, dim) of `scale` t, t in [0, 1] (Transformer, DiT)."""
     half = dim // 2
     # frequencies from 1 down to 1 / max_period, geometrically spaced
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
-    # DiT's frequencies were set for t in 0..999 steps: scaled so, t in
-    # [0, 1] spans as many periods and nearby times differ
-    args = 1000 * t.float()[:, None] * freqs[None]
+    # DiT's frequencies were set for t in 0..999 steps: scaled by 1000, t
+    # in [0, 1] spans as many periods and nearby times differ. MeanFlow
+    # takes scale 1 (as SiT embeds t): its target holds the network's du/dt,
+    # which the fast features (1000 radians per unit t) make so large that
+    # training diverges
+    # in fp32 at least (float64 stays: finite differences in t need it)
+    t = t if t.dtype == torch.float64 else t.float()
+    args = scale * t[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
@@ -73,6 +79,11 @@ def sincos_2d(n_side, dim, first=0):
 # fused kernel takes one, so it is tried first
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+BACKEND_ENABLED = {
+    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+    SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+    SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}
 
 
 def attention(q, k, v, visible, impl="sdpa"):
@@ -80,7 +91,9 @@ def attention(q, k, v, visible, impl="sdpa"):
 
     q, k, v (B, H, S, d); visible (B, S) bool: the keys a query may attend.
     "manual" writes it out; "sdpa" lets PyTorch pick; "cudnn" tries cuDNN's
-    kernel first (on a CPU: sdpa). All give the same numbers, up to rounding."""
+    kernel first (on a CPU: sdpa). All give the same numbers, up to rounding.
+    An outer sdpa_kernel() still rules: MeanFlow's JVP keeps to the math
+    backend, as the fused kernels have no forward-mode rule."""
     if impl == "manual":
         # / sqrt(d): dot products of d unit-variance terms have variance d;
         # unscaled, the softmax saturates (Vaswani et al. 2017)
@@ -91,7 +104,9 @@ def attention(q, k, v, visible, impl="sdpa"):
         return scores.softmax(dim=-1) @ v
     kernels = contextlib.nullcontext()
     if impl == "cudnn":
-        kernels = sdpa_kernel(CUDNN_FIRST, set_priority=True)
+        # cuDNN first among the backends enabled now
+        enabled = [b for b in CUDNN_FIRST if BACKEND_ENABLED[b]()]
+        kernels = sdpa_kernel(enabled, set_priority=True)
     with kernels:
         # the fused kernels never hold the (B, H, S, S) scores whole
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
@@ -188,16 +203,20 @@ class Block(nn.Module):
 class DiT(nn.Module):
     """(z_t (B, C, H, W), t (B,), text (B, L, D_text), mask (B, L)) -> v (B, C, H, W).
 
-    The defaults are train.py's CPU model."""
+    meanflow: a second time r <= t in, the average velocity u(z_t, r, t)
+    out (flow.py); r = t gives v. The defaults are train.py's CPU model."""
 
     def __init__(self, in_channels=3, image_size=32, patch=4, width=192, depth=4,
                  heads=4, text_dim=384, attn="sdpa", moe=0, topk=2, shared_experts=2,
-                 moe_impl="sorted", expert_hidden=None, balance="aux"):
+                 moe_impl="sorted", expert_hidden=None, balance="aux", meanflow=False,
+                 time_scale=1000):
         super().__init__()
         moe_args = dict(n_experts=moe, topk=topk, n_shared=shared_experts, impl=moe_impl,
                         hidden=expert_hidden, balance=balance) if moe else None
         assert image_size % patch == 0 and width % heads == 0 and (width // heads) % 2 == 0
         self.channels, self.patch, self.n_side = in_channels, patch, image_size // patch
+        # t's factor in timestep_embedding
+        self.time_scale = time_scale
         # the longest side of data.buckets' grids (1:2, 2:1), in patches:
         # a bucket keeps the square's area, so its long side is sqrt(2) longer
         self.n_max = round(self.n_side * math.sqrt(2))
@@ -209,6 +228,12 @@ class DiT(nn.Module):
         self.patch_embed = nn.Conv2d(in_channels, width, patch, stride=patch)
         # 256 sinusoidal features of t (DiT's frequency embedding) -> t~
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
+        # MeanFlow: the interval t - r, embedded as t is and added to t~
+        # (the paper's best of the pairs it tried: t and t - r)
+        self.interval_mlp = None
+        if meanflow:
+            self.interval_mlp = nn.Sequential(
+                nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
         # token states -> the text stream; their mean -> t~, so the caption
         # steers every layer's adaLN, not only through attention
         self.text_in = nn.Linear(text_dim, width)
@@ -242,17 +267,21 @@ class DiT(nn.Module):
         w = self.patch_embed.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         # DiT's (and GPT-2's) small normal init, std 0.02
-        for linear in self.t_mlp[::2]:
-            nn.init.normal_(linear.weight, std=0.02)
+        for mlp in (self.t_mlp, self.interval_mlp or []):
+            for linear in mlp[::2]:
+                nn.init.normal_(linear.weight, std=0.02)
         # Zero: each adaLN (scale = shift = 0, so adaLN is LayerNorm), each
         # residual branch's last layer (every block starts as the
-        # identity), the output (v = 0 at first): adaLN-Zero
+        # identity), the output (v = 0 at first): adaLN-Zero. And the
+        # interval's last layer: a rectified-flow checkpoint given to
+        # --init computes what it did, for any r
         streams = [m for m in self.modules() if isinstance(m, Stream)]
         zero = [s.adaln.weight for s in streams]
         zero += [s.proj.weight for s in streams if not s.qkv_only]
         zero += [m.w2.weight for m in self.modules() if isinstance(m, SwiGLU)]
         zero += [m.w2 for m in self.modules() if isinstance(m, MoE)]
         zero += [self.final_adaln.weight, self.final.weight, self.patch_embed.bias]
+        zero += [self.interval_mlp[2].weight] if self.interval_mlp else []
         for weight in zero:
             nn.init.zeros_(weight)
 
@@ -270,7 +299,9 @@ class DiT(nn.Module):
         x = x.view(B, h, w, p, p, C).permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
         return x.reshape(B, C, h * p, w * p)
 
-    def forward(self, x, t, text, mask):
+    def forward(self, x, t, text, mask, r=None):
+        """r: MeanFlow's second time (default t); a rectified-flow model has
+        none, its v(z_t, t) stands for the average (Euler's step)."""
         # one bucket's grid per batch
         h, w = x.shape[-2] // self.patch, x.shape[-1] // self.patch
         x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.positions(h, w)
@@ -279,7 +310,11 @@ class DiT(nn.Module):
         # caption's is 0
         m = mask[..., None].to(text.dtype)
         text_mean = (text * m).sum(1) / m.sum(1).clamp(min=1)  # (B, D_text)
-        t_emb = self.t_mlp(timestep_embedding(t, 256))
+        t_emb = self.t_mlp(timestep_embedding(t, 256, scale=self.time_scale))
+        if self.interval_mlp is not None:
+            interval = t - (t if r is None else r)
+            t_emb = t_emb + self.interval_mlp(
+                timestep_embedding(interval, 256, scale=self.time_scale))
         # SiLU once here, as DiT puts one before every adaLN Linear
         cond = F.silu(t_emb + self.pool_in(text_mean))  # (B, D)
         for block in self.blocks:

@@ -39,7 +39,8 @@ DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")
 # --resume refuses a change to these without --override
 RESUME_FLAGS = DATA_FLAGS + (
     "steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop",
-    "ema", "precision", "bias_rate", "text_encoder", "vae", "image_size")
+    "ema", "precision", "bias_rate", "text_encoder", "vae", "image_size",
+    "objective", "mf_share", "mf_power", "mf_guidance")
 
 
 def holds_checkpoint(out):
@@ -233,8 +234,10 @@ def load_checkpoint(run, args):
     saved_world = len(ckpt["data"])  # a data.Position a rank
     resized = saved_world != run.world
     batch_kept = new_world(run, args, ckpt, name) if resized or "world" in args.override else False
+    # a flag newer than the checkpoint counts as unchanged (meanflow's: such
+    # a run was rectified flow, and the model check below refuses meanflow)
     changed = {k: (v, getattr(args, k)) for k in RESUME_FLAGS
-               if (v := ckpt["args"].get(k)) != getattr(args, k)}
+               if (v := ckpt["args"].get(k, getattr(args, k))) != getattr(args, k)}
     allowed = args.override + ["grad_accum"] * batch_kept
     refused = {k: v for k, v in changed.items() if k not in allowed}
     if refused:
@@ -336,10 +339,20 @@ def init_weights(model, config, path, dev, rank):
         note = (f"upcycled from {path}: {copied} tensors copied, every expert = the dense "
                 "MLP, routers fresh")
     else:
-        if differ := model_differences(parent["config"], config):
+        # rectified flow -> MeanFlow: the same model plus the interval's
+        # branch, which stays at its zero init
+        new_branch = config.get("meanflow") and not parent["config"].get("meanflow")
+        parent_config = parent["config"]
+        if new_branch:
+            parent_config = dict(parent_config, meanflow=True, time_scale=config["time_scale"])
+        if differ := model_differences(parent_config, config):
             raise SystemExit(f"--init {path}: another model ({differ}): pass its flags (its "
                              "args.json), or --moe E to upcycle a dense one")
-        model.load_weights(parent["ema"], path)
+        state = parent["ema"]
+        if new_branch:
+            interval = {k: v for k, v in model.state_dict().items() if k.startswith("interval")}
+            state = {**state, **interval}
+        model.load_weights(state, path)
         note = f"initialised from {path}: its EMA weights"
     if rank == 0:
         print(note)

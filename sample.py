@@ -35,8 +35,10 @@ def get_parser():
     a("--prompt", action="append", help="caption (repeatable; default: 4 built-in)")
     a("--n", type=int, default=4, help="samples per prompt")
     a("--size", help="WxH pixels, e.g. 44x24 (default: the training square; --eval: each bucket)")
-    a("--steps", type=int, default=25, help="Euler steps, t=1 (noise) to t=0")
-    a("--cfg", type=float, default=2.0, help="guidance scale w (1: none, 0: ignore the caption)")
+    a("--steps", type=int, help="Euler steps (MeanFlow: jumps), t=1 (noise) to t=0 "
+      "(default: the checkpoint's --sample-steps: 25, MeanFlow 1)")
+    a("--cfg", type=float, help="guidance scale w (1: none, 0: ignore the caption; "
+      "default: the checkpoint's: 2, MeanFlow 1 as its guidance is trained in)")
     a("--seed", type=int, default=0, help="noise seed")
     a("--out", help="PNG path (default: next to the checkpoint)")
     a("--pairs", type=int, metavar="N", help="reflow: N (noise, sample, caption) pairs into "
@@ -212,6 +214,9 @@ def write_pairs(model, encoder, captions, out, steps, cfg, seed, batch, about):
 def main(argv=None):
     args = get_args(argv)
     model, encoder, train_args = load(args.ckpt, args.raw)
+    # the samples the run drew, unless told otherwise
+    args.steps = args.steps or train_args["sample_steps"]
+    args.cfg = train_args["cfg"] if args.cfg is None else args.cfg
     beside = os.path.dirname(args.ckpt)
     # the pictures behind a precomputed or pair folder
     source, image_size = data.made_from(train_args["data"]), train_args["image_size"]
@@ -263,7 +268,8 @@ def main(argv=None):
             model, encoder, model.vae, names, grid, args.eval_n, args.steps, args.cfg,
             args.seed, model.t_shift, fid=bool(names), batch=args.batch,
             size=[args.size] if args.size else model.buckets)
-        how = f"{args.steps} Euler steps, cfg {args.cfg}; grid: {grid}"
+        kind = "MeanFlow jumps" if model.interval_mlp else "Euler steps"
+        how = f"{args.steps} {kind}, cfg {args.cfg}; grid: {grid}"
         evaluate.print_scores(scores, len(fake), how)
         scores["n"] = len(fake)
     elif not (args.real or args.clip_model):

@@ -595,7 +595,8 @@ def test_time_shift_and_contrast_reach_the_training_step_and_the_sampler_uses_th
     # the Euler grid is the shifted one, and its steps add up to exactly -1
     seen = []
     x, _ = flow.euler(
-        lambda x, t: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2, 1), 8, shift=3.0
+        lambda x, t, r: seen.append(t[0].item()) or torch.ones_like(x), torch.zeros(2, 1), 8,
+        shift=3.0
     )
     assert torch.allclose(torch.tensor(seen), flow.shift_t(torch.linspace(1, 0, 9)[:-1], 3.0))
     assert torch.allclose(x, torch.full((2, 1), -1.0)), "the grid must end at t = 0"
@@ -661,14 +662,14 @@ def test_euler_on_the_exact_field_maps_noise_to_the_data_gaussian_and_reflow_str
     mu, sigma = 2.0, 0.5
 
     # E[eps - x0 | z_t = z] for Gaussian data and independent noise, in closed form
-    def exact_velocity(z, t):
+    def exact_velocity(z, t, r=None):
         t = t.view(-1, 1)
         m, s = (1 - t) * mu, torch.sqrt((1 - t) ** 2 * sigma**2 + t**2)
         ds = (-(1 - t) * sigma**2 + t) / s
         return -mu + ds / s * (z - m)
 
     # eps - x0 of the pairs x0 = mu + sigma eps; z = (1 - t) mu + ((1 - t) sigma + t) eps
-    def reflowed_velocity(z, t):
+    def reflowed_velocity(z, t, r=None):
         t = t.view(-1, 1)
         return (1 - sigma) * (z - (1 - t) * mu) / ((1 - t) * sigma + t) - mu
 
@@ -680,7 +681,7 @@ def test_euler_on_the_exact_field_maps_noise_to_the_data_gaussian_and_reflow_str
     # the straightness is the integral of || (x1 - x0) -
     # v ||^2 along the path, on the sampler's own steps
     seen = []
-    x, bent = flow.euler(lambda z, t: seen.append(exact_velocity(z, t)) or seen[-1], z1, steps=8)
+    x, bent = flow.euler(lambda z, t, r: seen.append(exact_velocity(z, t)) or seen[-1], z1, 8)
     ts = torch.linspace(1, 0, 9)
     assert torch.allclose(
         bent,
@@ -693,7 +694,7 @@ def test_euler_on_the_exact_field_maps_noise_to_the_data_gaussian_and_reflow_str
     assert flow.euler(reflowed_velocity, z1, steps=8)[1].abs().max() < 1e-5
 
 
-def test_cfg_with_w_1_is_the_conditional_prediction_and_uses_one_batched_forward():
+def test_cfg_with_w_1_is_the_conditional_prediction_alone_and_else_one_batched_forward():
     m = randomize(tiny_model())
     x, t, text, mask = toy_inputs()
     calls = []
@@ -702,11 +703,12 @@ def test_cfg_with_w_1_is_the_conditional_prediction_and_uses_one_batched_forward
         return calls.append(a[0].shape[0]) or m(*a)
 
     null_text, null_mask = flow.null_caption(text, mask)
-    v = flow.cfg_velocity(counted, text, mask, null_text, null_mask, 1.0)(x, t)
+    # w = 1: the captioned model alone, one forward of B (MeanFlow's one step: one evaluation)
+    v = flow.cfg_velocity(counted, text, mask, null_text, null_mask, 1.0)(x, t, t)
+    assert calls == [3] and torch.equal(v, m(x, t, text, mask))
+    v3 = flow.cfg_velocity(counted, text, mask, null_text, null_mask, 3.0)(x, t, t)
     # conditional and unconditional halves in ONE forward of 2B
-    assert calls == [6]
-    assert torch.allclose(v, m(x, t, text, mask), atol=1e-5)
-    v3 = flow.cfg_velocity(m, text, mask, null_text, null_mask, 3.0)(x, t)
+    assert calls == [3, 6]
     vu = m(x, t, null_text, null_mask)
     assert torch.allclose(v3, vu + 3 * (m(x, t, text, mask) - vu), atol=1e-4)
 
@@ -724,12 +726,12 @@ def test_caption_drop_nulls_the_drawn_rows_as_the_model_receives_them(monkeypatc
         captioned.append(kept)
         return real(text, mask, kept)
 
-    def model_sees(self, x, t, seen_text, seen_mask):
+    def model_sees(self, x, t, seen_text, seen_mask, r=None):
         # kept captions reach the model as they are; dropped ones as the null caption
         kept = captioned[-1]
         assert torch.equal(seen_text[kept], text[kept]) and torch.equal(seen_mask[kept], mask[kept])
         assert not seen_text[~kept].any() and not seen_mask[~kept].any()
-        return forward(self, x, t, seen_text, seen_mask)
+        return forward(self, x, t, seen_text, seen_mask, r)
 
     monkeypatch.setattr(flow, "drop_captions", spy)
     monkeypatch.setattr(DiT, "forward", model_sees)
@@ -738,6 +740,79 @@ def test_caption_drop_nulls_the_drawn_rows_as_the_model_receives_them(monkeypatc
     dropped = 1 - torch.cat(captioned).float().mean().item()
     # --cfg-drop 0.2 of 96 captions (not 0.8)
     assert len(captioned) == 6 and 0.1 < dropped < 0.3, dropped
+
+
+# -----------------------------------------------------------------------------------------------
+# flow.py's MeanFlow: du/dt, its target, r = t, one step
+# -----------------------------------------------------------------------------------------------
+def test_meanflow_du_dt_is_one_jvp_along_v_0_1_and_its_target_passes_no_gradient():
+    """In float64: flow.time_derivative equals a central difference of u along (v, 0, 1), and
+    not along (v, 0, 0) or (v, 1, 1); the loss is || u - u* ||^2 with u* = v~ - (t - r) du/dt made
+    by hand from those differences, v~ the guided velocity (2 v - u(z_t, t, t | null) where
+    captioned); its gradients are the ones a frozen copy's target gives. A JVP along another
+    tangent, a target with gradients, or guidance off the captioned rows fails."""
+    model = randomize(tiny_model(meanflow=True, time_scale=1)).double()
+    x0, t, text, mask = toy_inputs()
+    x0, text = x0.double(), text.double()
+    g = torch.Generator().manual_seed(3)
+    eps = torch.randn(x0.shape, generator=g).double()
+    t = t.double() * 0.5 + 0.5
+    r = t * torch.tensor([0.2, 1.0, 0.6], dtype=torch.float64)  # row 1: r = t
+    z, v = flow.interpolate(x0, eps, t), eps - x0
+
+    def along(dz, dr, dt, h=1e-6):
+        def u(s):
+            return model(z + s * dz, t + s * dt, text, mask, r + s * dr)
+        return (u(h) - u(-h)) / (2 * h)
+
+    du_dt = flow.time_derivative(model, z, r, t, v, text, mask).double()
+    want = along(v, 0, 1)
+    scale = want.abs().max().item()
+    assert torch.allclose(du_dt, want, atol=1e-6 * scale)
+    for wrong in (along(v, 0, 0), along(v, 1, 1)):
+        assert (wrong - want).abs().max() > 1e-2 * scale
+    # rows 0 and 1 captioned, row 2 the null caption: only 0 and 1 are guided
+    captioned = torch.tensor([True, True, False])
+    null_text, null_mask = flow.null_caption(text, mask)
+    guided = v.clone()
+    guided[:2] = 2 * v[:2] - model(z, t, null_text, null_mask, t)[:2]
+    gap = (t - r).view(-1, 1, 1, 1)
+    target = guided - gap * along(guided, 0, 1)
+    loss, per_sample = flow.meanflow_loss(model, x0, text, mask, t, r, eps, captioned, 2.0, 1.0)
+    by_hand = ((model(z, t, text, mask, r) - target) ** 2).mean((1, 2, 3))
+    assert torch.allclose(per_sample, by_hand, rtol=1e-5)
+    weight = 1 / (by_hand + flow.C_WEIGHT)
+    assert torch.allclose(loss, (weight * by_hand).mean(), rtol=1e-5)
+    # no gradient through the target: the same as a frozen copy making it
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    flow.meanflow_loss(model, x0, text, mask, t, r, eps, captioned, 2.0, 1.0,
+                       target_model=frozen)[0].backward()
+    for a, b in zip(grads, [p.grad for p in model.parameters()]):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_meanflow_at_r_equal_t_is_the_flow_loss_and_one_step_is_z1_minus_u():
+    """r = t (no guidance, p = 0) gives flow_loss's loss and per-sample losses bit for bit; one
+    step of the sampler is z_1 - u(z_1, 0, 1), and two are two jumps on the shifted grid."""
+    model = randomize(tiny_model(meanflow=True, time_scale=1))
+    x0, t, text, mask = toy_inputs()
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(3))
+    mf = flow.meanflow_loss(model, x0, text, mask, t, t, eps, torch.ones(3, dtype=torch.bool),
+                            guidance=1.0, power=0.0)
+    rf = flow.flow_loss(model, x0, text, mask, t, eps)
+    assert torch.equal(mf[0], rf[0]) and torch.equal(mf[1], rf[1])
+    with torch.no_grad():
+        ones, zeros = torch.ones(3), torch.zeros(3)
+        one, _ = flow.generate(model, lambda captions: (text, mask), None, eps, steps=1, cfg=1.0)
+        assert torch.equal(one, eps - model(eps, ones, text, mask, zeros))
+        two, _ = flow.generate(model, lambda captions: (text, mask), None, eps, 2, 1.0, shift=3.0)
+        mid = flow.shift_t(torch.tensor(0.5), 3.0).expand(3)
+        z_mid = eps - (1 - mid).view(-1, 1, 1, 1) * model(eps, ones, text, mask, mid)
+        assert torch.allclose(two, z_mid - mid.view(-1, 1, 1, 1) * model(z_mid, mid, text, mask,
+                                                                              zeros))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1165,9 +1240,11 @@ def test_upcycle_under_deepspeed_starts_from_the_dense_parent(tmp_path):
     assert torch.allclose(m(*inputs), d(*inputs), atol=1e-5)
 
 
-@pytest.mark.parametrize("impl,precision", [("grouped", "bf16"), ("sorted", "fp32")])
+@pytest.mark.parametrize(
+    "impl,precision,objective", [("grouped", "bf16", "rf"), ("sorted", "fp32", "meanflow")]
+)
 def test_compiled_moe_compiles_once_and_never_recompiles(
-    impl, precision, tmp_path, builtin16, monkeypatch
+    impl, precision, objective, tmp_path, builtin16, monkeypatch
 ):
     from torch._dynamo.utils import counters
 
@@ -1200,7 +1277,9 @@ def test_compiled_moe_compiles_once_and_never_recompiles(
     flags = TINY + [
         "--data", str(tmp_path / "s0.tar"), "--image-size", "16", "--moe", "4", "--moe-impl", impl,
         "--precision", precision, "--steps", "8", "--log-every", "4", "--batch-size", "4",
+        "--objective", objective,
     ]
+    # (MeanFlow's target comes from the uncompiled model: its JVP is eager)
     train.main(flags + ["--compile", "on", "--out", str(tmp_path / "run")])
     graphs.append(counters["stats"]["unique_graphs"])
     # routing differs every step, and so does the longest caption; a data-dependent shape in the
@@ -2182,6 +2261,8 @@ def test_profile_compare_over_data_serves_the_folders_shards_from_loopback(local
         (["--resume", "--out", "/nonexistent"], "drop --resume"),
         (["--dist", "ddp"], "needs a launcher: torchrun"),
         (["--moe", "4", "--ep", "2"], "needs --dist ddp (not deepspeed or fsdp)"),
+        (["--objective", "meanflow", "--contrast", "0.1"], "not with --contrast; it runs in"),
+        (["--objective", "meanflow", "--dist", "fsdp"], "not with --dist; it runs in one"),
     ],
 )
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
@@ -2591,14 +2672,11 @@ def test_samples_follow_their_captions_at_the_default_guidance_and_guidance_beat
         for line in open(os.path.join(trained16, "log.jsonl"))
         if '"eval"' in line
     )
-    # the default guidance of the final evaluation and of sample.py:
+    # the default guidance of the final evaluation, and so of sample.py (the checkpoint's):
+    assert train.get_args(["--out", "/nonexistent"]).cfg == 2.0
     ckpt = os.path.join(trained16, "ckpt.pt")
-    assert (
-        train.get_args(["--out", "/nonexistent"]).cfg
-        == sample.get_args(["--ckpt", ckpt]).cfg
-        == 2.0
-    )
-    model, encoder, _ = sample.load(os.path.join(trained16, "ckpt.pt"))
+    model, encoder, train_args = sample.load(ckpt)
+    assert train_args["cfg"] == 2.0
 
     def grade(cfg):
         return sample.score_heldout(
@@ -2671,12 +2749,14 @@ def test_init_starts_a_run_from_its_parent_the_same_model_or_upcycled_and_refuse
     model.load_state_dict(parent)
     firsts, real = [], train.train_step
 
-    # before the first update the child predicts what its parent does
+    # before the first update the child predicts what its parent does (MeanFlow's at any r <= t;
+    # the parent has no r)
     def step(S, args, micro, *a):
         if S.step == 0:
             x0, text, mask, _ = micro[0]
             inputs = (torch.randn_like(x0), torch.rand(x0.shape[0]), text, mask)
-            firsts.append(torch.allclose(S.model(*inputs), model(*inputs), atol=1e-5))
+            r = inputs[1] * torch.rand(x0.shape[0])
+            firsts.append(torch.allclose(S.model(*inputs, r), model(*inputs), atol=1e-5))
         return real(S, args, micro, *a)
 
     monkeypatch.setattr(train, "train_step", step)
@@ -2690,7 +2770,9 @@ def test_init_starts_a_run_from_its_parent_the_same_model_or_upcycled_and_refuse
     # reflow's way: the same model, a new run
     child("same")
     child("moe", "--moe", "4", "--expert-hidden", str(moe.dense_hidden(32)))  # DiT-MoE's upcycling
-    assert firsts == [True, True]
+    # MeanFlow from a rectified-flow model: its interval branch starts at zero, t at its scale
+    child("meanflow", "--objective", "meanflow")
+    assert firsts == [True, True, True]
     sparse = torch.load(tmp_path / "moe" / "ckpt.pt", weights_only=True)["model"]
     assert sparse["blocks.0.x.mlp.w13"].shape[0] == 4 and not torch.equal(
         sparse["blocks.0.x.mlp.w13"][0], parent["blocks.0.x.mlp.w13.weight"].T
@@ -3436,34 +3518,62 @@ def global_stream(n_samples, seed=0):
     return batches
 
 
-def test_contrastive_flow_matching_trains_the_same_however_the_global_batch_is_split(
-    tmp_path, builtin16, monkeypatch
+@pytest.mark.parametrize("objective", ["contrast", "meanflow"])
+def test_contrastive_and_meanflow_train_the_same_however_the_global_batch_is_split(
+    objective, tmp_path, builtin16, monkeypatch
 ):
-    """--contrast on samples that differ: 1 process x 16, 1 x 2 micro-batches
-    x 8 and 2 ranks x 8 log the same gradient norms and train the same
-    weights, to float rounding. Pairing each sample with the previous one of
-    its own micro-batch (roll) fails: the cuts change the pairs."""
-    monkeypatch.setattr(data, "batches", global_stream(2 * 16))
+    """--contrast, and --objective meanflow (half its draws r < t, guidance 2 in the target), on
+    samples that differ: 1 process x 16, 1 x 2 micro-batches x 8 and 2 ranks x 8 (DDP; MeanFlow
+    also DeepSpeed's ZeRO-2) log the same gradient norms and train the same weights, to float
+    rounding. Pairing each sample with the previous one of its own micro-batch (roll) fails: the
+    cuts change the pairs. MeanFlow's run killed after step 1 resumes bit for bit, and
+    sample.py's defaults are each checkpoint's: 4 Euler steps at w = 2, or MeanFlow's 1 jump at
+    w = 1 (sample.py's old fixed defaults, 25 and 2, fail both)."""
     flags = TINY + [
         "--data", ",".join(builtin16), "--image-size", "16", "--steps", "2",
-        "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3", "--contrast", "0.5",
-        "--sample-steps", "1"]
+        "--lr", "2e-3", "--warmup", "2", "--cfg-drop", "0.3"]
+    if objective == "meanflow":
+        flags += ["--objective", "meanflow", "--mf-share", "0.5", "--sample-steps", "1"]
+        # on the real stream (global_stream below does not resume): killed after step 1
+        train.main(flags + ["--out", str(tmp_path / "plain")])
+        resumed = flags + ["--ckpt-every", "1", "--out", str(tmp_path / "resumed")]
+        crash_then_resume(monkeypatch, resumed, crash_at=1)
+        plain, resumed = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True)
+                          for r in ("plain", "resumed"))
+        for name, want in plain["model"].items():
+            assert torch.equal(resumed["model"][name], want), name
+    else:
+        flags += ["--contrast", "0.5", "--sample-steps", "4"]
+    monkeypatch.setattr(data, "batches", global_stream(2 * 16))
     train.main(flags + ["--out", str(tmp_path / "one")])
     small = flags + ["--batch-size", "8"]
     train.main(small + ["--grad-accum", "2", "--out", str(tmp_path / "accum")])
     said = ranks(small + ["--dist", "ddp", "--out", str(tmp_path / "ddp")])
     assert "2 ranks x 8 = global batch 16" in said
-    runs = ("one", "accum", "ddp")
+    runs = ["one", "accum", "ddp"]
+    if objective == "meanflow":
+        ranks(small + ["--dist", "deepspeed", "--out", str(tmp_path / "zero2")])
+        runs.append("zero2")
     ckpt = {r: torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in runs}
     logs = {r: [json.loads(line) for line in open(tmp_path / r / "log.jsonl")
                 if '"loss"' in line] for r in runs}
-    for r in ("accum", "ddp"):
-        # the gradient of the contrastive loss, before the clip
+    for r in runs[1:]:
+        # ZeRO-2 reduces its fp32 partitions in another order
+        rel, atol = (1e-4, 1e-5) if r == "zero2" else (1e-5, 1e-6)
+        # the gradient of the loss, before the clip
         for a, b in zip(logs["one"], logs[r], strict=True):
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (r, a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), (r, a, b)
         for name, want in ckpt["one"]["model"].items():
             got = ckpt[r]["model"][name]
-            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), (r, name)
+            assert torch.allclose(got, want, atol=atol, rtol=1e-5), (r, name)
+    drawn = []
+    monkeypatch.setattr(flow, "generate", lambda *a: drawn.append(a[4:6]) or real_generate(*a))
+    sample.main(["--ckpt", str(tmp_path / "one" / "ckpt.pt"), "--n", "1", "--prompt", "a",
+                 "--out", str(tmp_path / "one.png")])
+    assert drawn == [(1, 1.0) if objective == "meanflow" else (4, 2.0)]
+
+
+real_generate = flow.generate
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,14 @@ def get_parser():
         help="SD3's time shift s of train and sample times (1: none)")
     add("--contrast", type=float, default=0.0,
         help="contrastive flow matching weight lambda (0: off)")
+    add("--objective", default="rf", choices=["rf", "meanflow"],
+        help="rectified flow's velocity, or MeanFlow's average velocity (one-step samples)")
+    add("--mf-share", type=float, default=0.25,
+        help="meanflow: share of (r, t) draws with r < t (the rest: r = t, the flow loss)")
+    add("--mf-power", type=float, default=1.0,
+        help="meanflow: adaptive loss weight 1 / (loss + c)^p (0: the plain loss)")
+    add("--mf-guidance", type=float, default=2.0,
+        help="meanflow: guidance scale trained into the target (1: none)")
     add("--cfg-drop", type=float, default=0.1,
         help="probability of the null caption (for guidance)")
     add("--ema", type=float, default=0.0, help="EMA decay (0: sample the trained weights)")
@@ -115,8 +123,10 @@ def get_parser():
     add("--ckpt-every", type=int, default=500,
         help="steps between checkpoints (and at the end)")
     # the samples
-    add("--cfg", type=float, default=2.0, help="guidance scale w of the samples")
-    add("--sample-steps", type=int, default=25, help="Euler steps of the samples")
+    add("--cfg", type=float,
+        help="guidance scale w of the samples (default 2; meanflow: 1, it is trained in)")
+    add("--sample-steps", type=int,
+        help="Euler steps (meanflow: jumps) of the samples (default 25; meanflow: 1)")
     add("--eval-n", type=int, default=2,
         help="final evaluation: samples per held-out prompt or name (0: none)")
     return p
@@ -148,6 +158,14 @@ def get_args(argv=None, parser=None):
     if args.contrast and args.batch_size % 2:
         p.error(f"--contrast pairs neighbouring samples: --batch-size {args.batch_size} "
                 f"is odd; use {args.batch_size + 1}")
+    if args.objective == "meanflow":
+        refused = dict(contrast=args.contrast, dist=args.dist == "fsdp", ep=args.ep > 1)
+        if names := [k for k, v in refused.items() if v]:
+            p.error(f"--objective meanflow: not with --{', --'.join(names)}; it runs in one "
+                    "process, under --dist ddp or deepspeed, with --grad-accum and --compile")
+    meanflow = args.objective == "meanflow"
+    args.cfg = args.cfg if args.cfg is not None else (1.0 if meanflow else 2.0)
+    args.sample_steps = args.sample_steps or (1 if meanflow else 25)
     if args.dist != "none" and "RANK" not in os.environ:
         p.error(f"--dist {args.dist} needs a launcher: "
                 f"torchrun --nproc_per_node N train.py --dist {args.dist} ...")
@@ -233,6 +251,13 @@ def setup(args, shape=None):
         width=args.width, depth=args.depth, heads=args.heads, text_dim=encoder.dim,
         attn=args.attn, moe=args.moe, topk=args.topk, shared_experts=args.shared_experts,
         moe_impl=args.moe_impl, expert_hidden=args.expert_hidden, balance=args.balance)
+    if args.objective == "meanflow":
+        # (a rectified-flow config has neither key: its checkpoints stand)
+        config["meanflow"] = True
+        # t unscaled (model.timestep_embedding says why); an --init parent's
+        # own scale, so that the run starts from what it computes
+        parent = args.init and torch.load(args.init, map_location="cpu", weights_only=True)
+        config["time_scale"] = parent["config"].get("time_scale", 1000) if parent else 1
     if shape:
         config.update(in_channels=shape[0], image_size=shape[1], text_dim=shape[2])
     model = DiT(**config).to(dev)
@@ -272,7 +297,7 @@ def train_step(run, args, micro_batches, mark=None):
     """One optimizer step on this rank's micro-batches [(x0, text, mask,
     noise)], with no host sync (but DeepSpeed's norm):
 
-        t, noise, drops -> flow loss (+ balance loss) -> backward
+        t (and r), noise, drops -> flow loss (+ balance loss) -> backward
         -> clip at 1.0 -> AdamW -> schedule -> EMA
 
     A non-finite loss or gradient norm changes no weight, moment or EMA."""
@@ -284,14 +309,20 @@ def train_step(run, args, micro_batches, mark=None):
     all_reduce = dist.all_reduce if run.world > 1 else None
     draws = this_ranks_draws(run, args, micro_batches)
     loss, balance, per_sample = 0, 0, []
-    for i, ((x0, text, mask, _), (captioned, t, eps)) in enumerate(zip(micro_batches, draws)):
+    for i, ((x0, text, mask, _), (captioned, t, r, eps)) in enumerate(zip(micro_batches, draws)):
         # the null caption where dropped: guidance's unconditional model
         text, mask = flow.drop_captions(text, mask, captioned)
         # DDP reduces the gradients in the last micro-batch's backward
         with run.engine.micro_batch(last=i == n_micro - 1):
             with torch.autocast(run.dev, dtype=torch.bfloat16, enabled=bf16):
-                loss_i, per_sample_i = flow.flow_loss(
-                    run.engine.forward, x0, text, mask, t, eps, args.contrast)
+                if args.objective == "meanflow":
+                    # the target from the unwrapped model: no grad, no sync
+                    loss_i, per_sample_i = flow.meanflow_loss(
+                        run.engine.forward, x0, text, mask, t, r, eps, captioned,
+                        args.mf_guidance, args.mf_power, target_model=run.model)
+                else:
+                    loss_i, per_sample_i = flow.flow_loss(
+                        run.engine.forward, x0, text, mask, t, eps, args.contrast)
                 balance_i = moe.balance_loss(run.model, all_reduce)  # dense: 0
             mark("forward")
             # engine.backward divides by --grad-accum: the step's mean
@@ -316,14 +347,15 @@ def train_step(run, args, micro_batches, mark=None):
         update_ema(run.ema, run.model, decay, skip=bad_step)
     count_bad_step(run, bad_step)
     mark("optimizer")
-    t = torch.cat([t_i for _, t_i, _ in draws])
+    t = torch.cat([t_i for _, t_i, _, _ in draws])
     return dict(loss=loss, balance=balance, t=t, lr=lr, per_sample=torch.cat(per_sample),
                 grad_norm=grad_norm, bad_step=bad_step)
 
 
 def this_ranks_draws(run, args, micro_batches):
-    """-> [(captioned (b,), t (b,), eps (b, C, H, W))] per micro-batch: this
-    rank's rows of the global batch's caption drops, times and noise.
+    """-> [(captioned (b,), t (b,), r (b,) or None, eps (b, C, H, W))] per
+    micro-batch: this rank's rows of the global batch's caption drops,
+    times (MeanFlow: two) and noise.
 
     Every rank draws the whole global batch from one generator and keeps
     its slice, so a run does not depend on how the batch is split over
@@ -335,13 +367,17 @@ def this_ranks_draws(run, args, micro_batches):
     n = per_micro * len(micro_batches)
     # p = --cfg-drop of the null caption (Ho & Salimans 2022)
     captioned = torch.rand(n, generator=run.gen, device=dev) >= args.cfg_drop
-    t = flow.sample_t(n, args.t_dist, run.gen, dev, args.t_shift)
+    if args.objective == "meanflow":
+        t, r = flow.sample_t_r(n, args.mf_share, args.t_dist, run.gen, dev, args.t_shift)
+    else:
+        t, r = flow.sample_t(n, args.t_dist, run.gen, dev, args.t_shift), None
     lo, hi, draws = run.rank * per_rank, (run.rank + 1) * per_rank, []
     for i, (x0, _, _, noise) in enumerate(micro_batches):
         rows = slice(i * per_micro + lo, i * per_micro + hi)
         eps = torch.randn((per_micro, *x0.shape[1:]), generator=run.gen, device=dev)[lo:hi]
         # reflow trains each picture with the noise it was drawn from
-        draws.append((captioned[rows], t[rows], eps if noise is None else noise))
+        r_rows = None if r is None else r[rows]
+        draws.append((captioned[rows], t[rows], r_rows, eps if noise is None else noise))
     return draws
 
 
