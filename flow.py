@@ -219,14 +219,15 @@ def time_derivative(model, z, r, t, v, text, mask):
 def guided_velocity(model, z, t, v, text, mask, captioned, guidance):
     """v~ = w_g v + (1 - w_g) u(z_t, t, t | null) on captioned rows: the
     guided field's velocity, its unguided half the network's own (its
-    null-caption output at r = t); the null-caption rows keep v."""
-    if guidance == 1 or not captioned.any():
+    null-caption output at r = t); the null-caption rows keep v, as the
+    unguided field is the one they learn."""
+    if guidance == 1:
         return v
-    null_text, null_mask = null_caption(text[captioned], mask[captioned])
-    v_null = model(z[captioned], t[captioned], null_text, null_mask, t[captioned]).float()
-    guided = v.clone()
-    guided[captioned] = guidance * v[captioned] + (1 - guidance) * v_null
-    return guided
+    null_text, null_mask = null_caption(text, mask)
+    v_null = model(z, t, null_text, null_mask, t).float()
+    # (B,) -> (B, 1, 1, 1)
+    captioned = captioned.view(-1, *([1] * (v.dim() - 1)))
+    return torch.where(captioned, guidance * v + (1 - guidance) * v_null, v)
 
 
 def meanflow_loss(model, x0, text, mask, t, r, eps, captioned=None, guidance=1.0,
@@ -249,9 +250,10 @@ def meanflow_loss(model, x0, text, mask, t, r, eps, captioned=None, guidance=1.0
         target[apart] = v[apart] - gap * du_dt
     u = model(z, t, text, mask, r).float()
     dims = tuple(range(1, x0.dim()))
-    # the mean over pixels, as flow_loss (so c is per pixel)
+    # the mean over pixels, as flow_loss
     per_sample = ((u - target) ** 2).mean(dim=dims)
-    # the paper's adaptive weight: p = 1 makes the loss ~ log || u - u* ||^2,
+    # the paper's adaptive weight on its squared norm, the sum over pixels
+    # (so c per pixel is c / pixels): p = 1 makes the loss ~ log || u - u* ||^2,
     # so the few large errors (early, or at large t - r) do not drown the rest
-    weight = (per_sample.detach() + C_WEIGHT) ** -power
+    weight = (per_sample.detach() + C_WEIGHT / x0[0].numel()) ** -power
     return (weight * per_sample).mean(), per_sample
