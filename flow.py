@@ -44,13 +44,13 @@ trains on, with du/dt the total derivative along the path (dz/dt = v,
 dr/dt = 0, dt/dt = 1): one Jacobian-vector product along (v, 0, 1):
 
     u = v - (t - r) du/dt,          du/dt = v d_z u + d_t u
-    target (no gradient):           u* = v - (t - r) sg(du/dt)
+    guidance in the target:         v~ = w_g v + (1 - w_g) u(z_t, t, t | null)
+    target (no gradient):           u* = v~ - (t - r) sg(du/dt), along v~
     loss:                           sg(w) || u - u* ||^2,
                                     w = 1 / (|| u - u* ||^2 + c)^p
-    guidance in the target:         v~ = w_g v + (1 - w_g) u(z_t, t, t | null)
 
-r = t makes u* = v: the rectified-flow loss (with p = 0). The
-Euler sampler above is the same jump with v in place of u.
+r = t makes u* = v: the rectified-flow loss (with w_g = 1, p = 0).
+The Euler sampler above is the same jump with v in place of u.
 """
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -130,9 +130,10 @@ def loss_per_bin(t, per_sample, bins=4):
 
 @torch.no_grad()
 def euler(velocity, x, steps, shift=1.0):
-    """Integrate dx/dt = velocity(x, t) from t = 1 (noise) to 0 (data) in
-    `steps` Euler steps, on the shifted grid the model was trained for
-    -> (x at t = 0, the path's straightness S (B,)), means over pixels:
+    """Integrate dx/dt = velocity(x, t, t_next) from t = 1 (noise) to 0
+    (data) in `steps` Euler steps, on the shifted grid the model was
+    trained for -> (x at t = 0, the path's straightness S (B,)), means
+    over pixels:
 
         S = sum_k (t_k - t_k+1) ||v_k||^2 - ||x1 - x0||^2"""
     # equal steps in the shifted time: the grid the model trained on
@@ -209,8 +210,9 @@ def time_derivative(model, z, r, t, v, text, mask):
     def u(z, t):
         return model(z, t, text, mask, r)
     # forward mode computes u and du/dt in one pass (reverse mode would
-    # need a backward per output); SDPA's fused CPU kernel has no
-    # forward-mode rule (pytorch#128971), its math backend has
+    # need a backward per output). SDPA's fused kernels have no
+    # forward-mode rule (pytorch#128971), its math backend has. Under
+    # --precision bf16 this runs in bf16, as the forward does
     with sdpa_kernel([SDPBackend.MATH]):
         return torch.func.jvp(u, (z, t), (v, torch.ones_like(t)))[1].float()
 
@@ -235,19 +237,20 @@ def meanflow_loss(model, x0, text, mask, t, r, eps, captioned=None, guidance=1.0
     """-> (loss, per-sample || u - u* ||^2 (B,)) at times r <= t (B,).
 
     target_model: the network that makes the target, without gradients
-    (train.py: the model unwrapped, as DDP's wrapper would sync)."""
+    (train.py: the model unwrapped, as DDP's wrapper would sync). Counting
+    the r < t rows reads the device (a host sync)."""
     target_model = target_model or model
     z = interpolate(x0, eps, t)
-    v = guided_velocity(target_model, z, t, eps - x0, text, mask, captioned, guidance)
-    target = v
+    v_guided = guided_velocity(target_model, z, t, eps - x0, text, mask, captioned, guidance)
+    target = v_guided
     # at r = t the JVP's term is 0: only the r < t rows need it
     apart = r < t
     if apart.any():
-        du_dt = time_derivative(target_model, z[apart], r[apart], t[apart], v[apart],
+        du_dt = time_derivative(target_model, z[apart], r[apart], t[apart], v_guided[apart],
                                 text[apart], mask[apart])
         gap = (t - r)[apart].view(-1, *([1] * (x0.dim() - 1)))
-        target = v.clone()
-        target[apart] = v[apart] - gap * du_dt
+        target = v_guided.clone()
+        target[apart] = v_guided[apart] - gap * du_dt
     u = model(z, t, text, mask, r).float()
     dims = tuple(range(1, x0.dim()))
     # the mean over pixels, as flow_loss

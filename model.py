@@ -51,13 +51,12 @@ def timestep_embedding(t, dim, max_period=10000, scale=1000):
     half = dim // 2
     # frequencies from 1 down to 1 / max_period, geometrically spaced
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
+    # fp32 at least; float64 stays float64
+    t = t if t.dtype == torch.float64 else t.float()
     # DiT's frequencies were set for t in 0..999 steps: scaled by 1000, t
     # in [0, 1] spans as many periods and nearby times differ. MeanFlow
-    # takes scale 1 (as SiT embeds t): its target holds the network's du/dt,
-    # which the fast features (1000 radians per unit t) make so large that
-    # training diverges
-    # in fp32 at least (float64 stays: finite differences in t need it)
-    t = t if t.dtype == torch.float64 else t.float()
+    # takes scale 1 (as SiT embeds t): d/dt sin(scale f t) = scale f
+    # cos(...), so du/dt, which its target holds, grows with the scale
     args = scale * t[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 

@@ -41,6 +41,8 @@ RESUME_FLAGS = DATA_FLAGS + (
     "steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop",
     "ema", "precision", "bias_rate", "text_encoder", "vae", "image_size",
     "objective", "mf_share", "mf_power", "mf_guidance")
+# resume flags newer than some checkpoints: what those runs did
+BEFORE_THE_FLAG = dict(objective="rf", mf_share=0.25, mf_power=1.0, mf_guidance=2.0)
 
 
 def holds_checkpoint(out):
@@ -234,10 +236,9 @@ def load_checkpoint(run, args):
     saved_world = len(ckpt["data"])  # a data.Position a rank
     resized = saved_world != run.world
     batch_kept = new_world(run, args, ckpt, name) if resized or "world" in args.override else False
-    # a flag newer than the checkpoint counts as unchanged (meanflow's: such
-    # a run was rectified flow, and the model check below refuses meanflow)
+    saved = {**BEFORE_THE_FLAG, **ckpt["args"]}
     changed = {k: (v, getattr(args, k)) for k in RESUME_FLAGS
-               if (v := ckpt["args"].get(k, getattr(args, k))) != getattr(args, k)}
+               if (v := saved.get(k)) != getattr(args, k)}
     allowed = args.override + ["grad_accum"] * batch_kept
     refused = {k: v for k, v in changed.items() if k not in allowed}
     if refused:

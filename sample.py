@@ -268,7 +268,7 @@ def main(argv=None):
             model, encoder, model.vae, names, grid, args.eval_n, args.steps, args.cfg,
             args.seed, model.t_shift, fid=bool(names), batch=args.batch,
             size=[args.size] if args.size else model.buckets)
-        kind = "MeanFlow jumps" if model.interval_mlp else "Euler steps"
+        kind = "Euler steps" if model.interval_mlp is None else "MeanFlow jumps"
         how = f"{args.steps} {kind}, cfg {args.cfg}; grid: {grid}"
         evaluate.print_scores(scores, len(fake), how)
         scores["n"] = len(fake)

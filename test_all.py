@@ -795,8 +795,15 @@ def test_meanflow_du_dt_is_one_jvp_along_v_0_1_and_its_target_passes_no_gradient
 
 
 def test_meanflow_at_r_equal_t_is_the_flow_loss_and_one_step_is_z1_minus_u():
-    """r = t (no guidance, p = 0) gives flow_loss's loss and per-sample losses bit for bit; one
-    step of the sampler is z_1 - u(z_1, 0, 1), and two are two jumps on the shifted grid."""
+    """r = t (no guidance, p = 0) gives flow_loss's loss and per-sample losses bit for bit (a
+    model embedding r, not t - r, fails); (r, t) draws have r <= t, r < t in the share asked, and
+    r = t drawn as sample_t draws t; one step of the sampler is z_1 - u(z_1, 0, 1), two are two
+    jumps on the shifted grid, and guidance w != 1 passes r to both halves."""
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    t, r = flow.sample_t_r(4000, 0.25, generator=g1)
+    apart = r < t
+    assert (r <= t).all() and 0.22 < apart.float().mean() < 0.28
+    assert torch.equal(t[~apart], flow.sample_t(4000, generator=g2)[~apart])
     model = randomize(tiny_model(meanflow=True, time_scale=1))
     x0, t, text, mask = toy_inputs()
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(3))
@@ -813,6 +820,11 @@ def test_meanflow_at_r_equal_t_is_the_flow_loss_and_one_step_is_z1_minus_u():
         z_mid = eps - (1 - mid).view(-1, 1, 1, 1) * model(eps, ones, text, mask, mid)
         assert torch.allclose(two, z_mid - mid.view(-1, 1, 1, 1) * model(z_mid, mid, text, mask,
                                                                               zeros))
+        null_text, null_mask = flow.null_caption(text, mask)
+        u3 = flow.cfg_velocity(model, text, mask, null_text, null_mask, 3.0)(eps, ones, zeros)
+        u_null = model(eps, ones, null_text, null_mask, zeros)
+        want = u_null + 3 * (model(eps, ones, text, mask, zeros) - u_null)
+        assert torch.allclose(u3, want, atol=1e-4)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2261,8 +2273,11 @@ def test_profile_compare_over_data_serves_the_folders_shards_from_loopback(local
         (["--resume", "--out", "/nonexistent"], "drop --resume"),
         (["--dist", "ddp"], "needs a launcher: torchrun"),
         (["--moe", "4", "--ep", "2"], "needs --dist ddp (not deepspeed or fsdp)"),
-        (["--objective", "meanflow", "--contrast", "0.1"], "not with --contrast; it runs in"),
-        (["--objective", "meanflow", "--dist", "fsdp"], "not with --dist; it runs in one"),
+        (["--objective", "meanflow", "--contrast", "0.1"], "does not take --contrast: it"),
+        (["--objective", "meanflow", "--dist", "fsdp"], "does not take --dist fsdp: it"),
+        (["--objective", "meanflow", "--moe", "4", "--ep", "2"], "does not take --ep 2: it"),
+        (["--objective", "meanflow", "--mf-share", "1.5"], "a share, in [0, 1]"),
+        (["--objective", "meanflow", "--cfg-drop", "0"], "--cfg-drop > 0, or --mf-guidance 1"),
     ],
 )
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
@@ -2773,6 +2788,8 @@ def test_init_starts_a_run_from_its_parent_the_same_model_or_upcycled_and_refuse
     # MeanFlow from a rectified-flow model: its interval branch starts at zero, t at its scale
     child("meanflow", "--objective", "meanflow")
     assert firsts == [True, True, True]
+    meanflow = torch.load(tmp_path / "meanflow" / "ckpt.pt", weights_only=True)["config"]
+    assert meanflow["time_scale"] == 1000 and meanflow["meanflow"]
     sparse = torch.load(tmp_path / "moe" / "ckpt.pt", weights_only=True)["model"]
     assert sparse["blocks.0.x.mlp.w13"].shape[0] == 4 and not torch.equal(
         sparse["blocks.0.x.mlp.w13"][0], parent["blocks.0.x.mlp.w13.weight"].T
@@ -3518,6 +3535,9 @@ def global_stream(n_samples, seed=0):
     return batches
 
 
+real_generate = flow.generate
+
+
 @pytest.mark.parametrize("objective", ["contrast", "meanflow"])
 def test_contrastive_and_meanflow_train_the_same_however_the_global_batch_is_split(
     objective, tmp_path, builtin16, monkeypatch
@@ -3555,6 +3575,8 @@ def test_contrastive_and_meanflow_train_the_same_however_the_global_batch_is_spl
         ranks(small + ["--dist", "deepspeed", "--out", str(tmp_path / "zero2")])
         runs.append("zero2")
     ckpt = {r: torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in runs}
+    # a fresh MeanFlow model embeds t unscaled
+    assert ckpt["one"]["config"].get("time_scale") == (1 if objective == "meanflow" else None)
     logs = {r: [json.loads(line) for line in open(tmp_path / r / "log.jsonl")
                 if '"loss"' in line] for r in runs}
     for r in runs[1:]:
@@ -3571,9 +3593,6 @@ def test_contrastive_and_meanflow_train_the_same_however_the_global_batch_is_spl
     sample.main(["--ckpt", str(tmp_path / "one" / "ckpt.pt"), "--n", "1", "--prompt", "a",
                  "--out", str(tmp_path / "one.png")])
     assert drawn == [(1, 1.0) if objective == "meanflow" else (4, 2.0)]
-
-
-real_generate = flow.generate
 
 
 @pytest.fixture(scope="module")

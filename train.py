@@ -1,6 +1,7 @@
-"""train.py -- train the MM-DiT with rectified flow; `python train.py` is
-the whole CPU demo. In nanoGPT's order: the flags, the set-up, one step
-(train_step: the method), the loop; then what a first read may skip.
+"""train.py -- train the MM-DiT with rectified flow (or MeanFlow's average
+velocity, --objective meanflow); `python train.py` is the whole CPU demo.
+In nanoGPT's order: the flags, the set-up, one step (train_step: the
+method), the loop; then what a first read may skip.
 
 engine.py puts one process, DDP, ZeRO-2 and FSDP2 behind the step's calls;
 runfolder.py keeps checkpoints, logs, stop signals and exits.
@@ -29,7 +30,7 @@ import runfolder
 import sample
 from engine import Engine, FSDPEngine, init_distributed, make_engine
 from model import MODELS, DiT, TextEncoder, load_vae, preset, to_device
-from runfolder import CKPT, RESUME_FLAGS, Interrupted, StopSignals
+from runfolder import CKPT, PREV, RESUME_FLAGS, Interrupted, StopSignals
 
 
 # ---- Flags ----
@@ -84,7 +85,7 @@ def get_parser():
     add("--objective", default="rf", choices=["rf", "meanflow"],
         help="rectified flow's velocity, or MeanFlow's average velocity (one-step samples)")
     add("--mf-share", type=float, default=0.25,
-        help="meanflow: share of (r, t) draws with r < t (the rest: r = t, the flow loss)")
+        help="meanflow: share of (r, t) draws with r < t (the rest: r = t, v's target)")
     add("--mf-power", type=float, default=1.0,
         help="meanflow: adaptive loss weight 1 / (loss + c)^p (0: the plain loss)")
     add("--mf-guidance", type=float, default=2.0,
@@ -158,12 +159,19 @@ def get_args(argv=None, parser=None):
     if args.contrast and args.batch_size % 2:
         p.error(f"--contrast pairs neighbouring samples: --batch-size {args.batch_size} "
                 f"is odd; use {args.batch_size + 1}")
-    if args.objective == "meanflow":
-        refused = dict(contrast=args.contrast, dist=args.dist == "fsdp", ep=args.ep > 1)
-        if names := [k for k, v in refused.items() if v]:
-            p.error(f"--objective meanflow: not with --{', --'.join(names)}; it runs in one "
-                    "process, under --dist ddp or deepspeed, with --grad-accum and --compile")
     meanflow = args.objective == "meanflow"
+    if meanflow:
+        refused = {"--contrast": args.contrast, "--dist fsdp": args.dist == "fsdp",
+                   f"--ep {args.ep}": args.ep > 1}
+        if names := [k for k, v in refused.items() if v]:
+            p.error(f"--objective meanflow does not take {', '.join(names)}: it trains in one "
+                    "process or under --dist ddp or deepspeed (with --moe, --grad-accum, "
+                    "--compile)")
+        if not 0 <= args.mf_share <= 1:
+            p.error(f"--mf-share {args.mf_share}: a share, in [0, 1]")
+        if args.mf_guidance != 1 and not args.cfg_drop:
+            p.error("--mf-guidance needs the null caption trained: --cfg-drop > 0, "
+                    "or --mf-guidance 1")
     args.cfg = args.cfg if args.cfg is not None else (1.0 if meanflow else 2.0)
     args.sample_steps = args.sample_steps or (1 if meanflow else 25)
     if args.dist != "none" and "RANK" not in os.environ:
@@ -254,10 +262,7 @@ def setup(args, shape=None):
     if args.objective == "meanflow":
         # (a rectified-flow config has neither key: its checkpoints stand)
         config["meanflow"] = True
-        # t unscaled (model.timestep_embedding says why); an --init parent's
-        # own scale, so that the run starts from what it computes
-        parent = args.init and torch.load(args.init, map_location="cpu", weights_only=True)
-        config["time_scale"] = parent["config"].get("time_scale", 1000) if parent else 1
+        config["time_scale"] = meanflow_time_scale(args)
     if shape:
         config.update(in_channels=shape[0], image_size=shape[1], text_dim=shape[2])
     model = DiT(**config).to(dev)
@@ -295,7 +300,7 @@ def setup(args, shape=None):
 # ---- One training step ----
 def train_step(run, args, micro_batches, mark=None):
     """One optimizer step on this rank's micro-batches [(x0, text, mask,
-    noise)], with no host sync (but DeepSpeed's norm):
+    noise)], with no host sync (but DeepSpeed's norm, MeanFlow's count):
 
         t (and r), noise, drops -> flow loss (+ balance loss) -> backward
         -> clip at 1.0 -> AdamW -> schedule -> EMA
@@ -505,6 +510,25 @@ def encode_batch(run, batch):
         more = run.text_len - text.shape[1]
         text, mask = F.pad(text, (0, 0, 0, more)), F.pad(mask, (0, more))
     return x0, text, mask, noise
+
+
+def meanflow_time_scale(args):
+    """t's factor in a MeanFlow model: 1 (model.timestep_embedding says
+    why), or that of the checkpoint it resumes or starts from (--init):
+    a rectified-flow parent's 1000, so the run starts from what it computes."""
+    if args.resume:
+        paths = [os.path.join(args.out, name) for name in (CKPT, PREV)]
+    else:
+        paths = [args.init] if args.init else []
+    for path in paths:
+        # mmap: the config without reading every tensor
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # a damaged file (its errors vary): resume falls back to the other
+        except Exception:
+            continue
+        return ckpt["config"].get("time_scale", 1000)
+    return 1
 
 
 def count_bad_step(run, bad_step):
