@@ -228,7 +228,7 @@ class DiT(nn.Module):
         # 256 sinusoidal features of t (DiT's frequency embedding) -> t~
         self.t_mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
         # MeanFlow: the interval t - r, embedded as t is and added to t~
-        # (the paper's best of the pairs it tried: t and t - r)
+        # (the paper's default among the pairs it compared: t and t - r)
         self.interval_mlp = None
         if meanflow:
             self.interval_mlp = nn.Sequential(

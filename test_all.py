@@ -2278,6 +2278,7 @@ def test_profile_compare_over_data_serves_the_folders_shards_from_loopback(local
         (["--objective", "meanflow", "--moe", "4", "--ep", "2"], "does not take --ep 2: it"),
         (["--objective", "meanflow", "--mf-share", "1.5"], "a share, in [0, 1]"),
         (["--objective", "meanflow", "--cfg-drop", "0"], "--cfg-drop > 0, or --mf-guidance 1"),
+        (["--mf-share", "0.5"], "shape MeanFlow's target: add --objective meanflow"),
     ],
 )
 def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys):
