@@ -323,14 +323,8 @@ def train_step(run, args, micro_batches, mark=None):
         # DDP reduces the gradients in the last micro-batch's backward
         with run.engine.micro_batch(last=i == n_micro - 1):
             with torch.autocast(run.dev, dtype=torch.bfloat16, enabled=bf16):
-                if args.objective == "meanflow":
-                    # the target from the unwrapped model: no grad, no sync
-                    loss_i, per_sample_i = flow.meanflow_loss(
-                        run.engine.forward, x0, text, mask, t, r, eps, captioned,
-                        args.mf_guidance, args.mf_power, target_model=run.model)
-                else:
-                    loss_i, per_sample_i = flow.flow_loss(
-                        run.engine.forward, x0, text, mask, t, eps, args.contrast)
+                loss_i, per_sample_i = objective_loss(
+                    run, args, x0, text, mask, captioned, t, r, eps)
                 balance_i = moe.balance_loss(run.model, all_reduce)  # dense: 0
             mark("forward")
             # engine.backward divides by --grad-accum: the step's mean
@@ -387,6 +381,17 @@ def this_ranks_draws(run, args, micro_batches):
         r_rows = None if r is None else r[rows]
         draws.append((captioned[rows], t[rows], r_rows, eps if noise is None else noise))
     return draws
+
+
+def objective_loss(run, args, x0, text, mask, captioned, t, r, eps):
+    """-> (loss, per-sample loss): rectified flow's (flow.flow_loss), or
+    MeanFlow's (flow.meanflow_loss, --objective meanflow)."""
+    if args.objective == "meanflow":
+        # the target from the unwrapped model: no grad, no sync
+        return flow.meanflow_loss(
+            run.engine.forward, x0, text, mask, t, r, eps, captioned,
+            args.mf_guidance, args.mf_power, target_model=run.model)
+    return flow.flow_loss(run.engine.forward, x0, text, mask, t, eps, args.contrast)
 
 
 @torch.no_grad()
