@@ -260,9 +260,7 @@ def resolve_shards(data, image_size):
     elif is_folder_url(data):
         shards = served_shards(data)
     else:
-        # a comma inside braces is braceexpand's, not a list's
-        parts = [data] if "{" in data else data.split(",")
-        shards = sorted(s for part in parts if part for s in braceexpand(part))
+        shards = sorted(s for part in comma_list(data) if part for s in braceexpand(part))
     local = [s for s in shards if not s.startswith(REMOTE)]
     urls = [s for s in shards if s.startswith(REMOTE) and not s.startswith("pipe:")]
     if not_tar := [u for u in urls if not urllib.parse.urlsplit(u).path.endswith(".tar")]:
@@ -273,6 +271,18 @@ def resolve_shards(data, image_size):
             f"URLs (comma-separated or x-{{00..99}}.tar), a folder URL ending in /, "
             f"'pipe:CMD', '{BUILTIN}' or '{MIXED}'")
     return shards
+
+
+def comma_list(data):
+    """'a-{0..1}.tar,b-{x,y}.tar' -> ['a-{0..1}.tar', 'b-{x,y}.tar']: a comma
+    inside braces is braceexpand's, not the list's."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(data):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            parts.append(data[start:i])
+            start = i + 1
+    return parts + [data[start:]]
 
 
 def made_from(folder):
@@ -618,6 +628,11 @@ class ShardCut(OSError):
     """A download that ended short, where tar alone would see a clean end."""
 
 
+# what a shell's exit status says about the client it ran
+CLIENT_FAULTS = {126: " (found, not runnable: check its mode)",
+                 127: " (not found: install it, or put it on PATH)"}
+
+
 class Download:
     """A remote file as a file object, read as it arrives."""
 
@@ -652,7 +667,7 @@ class Download:
         if self.response and self.response.length:
             raise ShardCut(f"the connection closed {self.response.length} bytes short")
         if self.process and (status := self.process.wait()):
-            cut = ShardCut(f"its client exited with status {status}")
+            cut = ShardCut(f"its client exited with status {status}{CLIENT_FAULTS.get(status, '')}")
             cut.status = status
             raise cut
 

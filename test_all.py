@@ -33,10 +33,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
 import traceback
+import warnings
 
 import numpy as np
 import pytest
@@ -2039,22 +2041,26 @@ def test_emoji_set_is_shards_of_every_name_in_every_training_wording_on_white(em
 # data.py over a network: a real HTTP server on 127.0.0.1, started by each test and stopped after
 # -----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def shard_server(folder, cut=(), cut_on=(1,), missing=(), password=None):
+def shard_server(folder, cut=(), cut_on=(1,), missing=(), password=None, query=None):
     """Serve `folder` over HTTP on 127.0.0.1 (a port the OS picks), in a thread, until the block
     ends -> (its base URL, a Counter of the requests for each file name). cut: names whose
     responses to the cut_on'th requests (from 1) send half the bytes their Content-Length
     promises, then close the socket; missing: names answered 404; password: 'user:password' that
-    Basic authorization must carry."""
+    Basic authorization must carry; query: the query string every request must carry (a signed
+    URL's), else 403."""
     requests = collections.Counter()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            name = self.path.partition("?")[0].lstrip("/")
+            name, _, asked = self.path.partition("?")
+            name = name.lstrip("/")
             requests[name] += 1
             if password and self.headers.get("Authorization") != (
                 "Basic " + base64.b64encode(password.encode()).decode()
             ):
                 return self.send_error(401)
+            if query is not None and asked != query:
+                return self.send_error(403)
             path = os.path.join(folder, name)
             if name in missing or not os.path.isfile(path):
                 return self.send_error(404)
@@ -2218,30 +2224,119 @@ def test_a_stop_and_resume_mid_epoch_on_remote_data_ends_where_the_local_run_doe
 
 
 @pytest.mark.xdist_group("local_run")
-def test_a_urls_password_and_query_token_are_masked_in_all_the_run_prints_and_saves(
-    local_run, tmp_path, capfd
+def test_a_urls_password_and_query_token_are_masked_in_all_the_run_prints_warns_and_saves(
+    local_run, tmp_path, capfd, monkeypatch
 ):
+    """Fails where any message names the URL unmasked: a retry's, a skipped shard's, a bad
+    sample's (warnings, which capfd alone would not see), an error's, a print or a saved file."""
     folder, _ = local_run
-    with shard_server(folder, password="ann:s3cret") as (url, requests):
+    monkeypatch.setattr(data, "BACKOFF", 0.01)
+    # shard 0 holds a bad sample and is cut on its first request; shard 1 is not there
+    served = tmp_path / "served"
+    shutil.copytree(folder, served)
+    with tarfile.open(served / "shapes-0000.tar", "a") as tar:
+        caption_only = tarfile.TarInfo("zz-bad.txt")
+        caption_only.size = 3
+        tar.addfile(caption_only, io.BytesIO(b"bad"))
+    out = tmp_path / "run"
+    with shard_server(
+        served, password="ann:s3cret", cut=("shapes-0000.tar",), missing=("shapes-0001.tar",)
+    ) as (url, requests), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         # the server refuses a request without them: the run read its data with them
         secret = url.replace("http://", "http://ann:s3cret@") + "?token=t0k3n"
-        train.main(REMOTE_RUN + ["--data", secret, "--steps", "1", "--out", str(tmp_path)])
-        assert requests["shapes-0000.tar"] == 1
+        train.main(REMOTE_RUN + ["--data", secret, "--steps", "1", "--out", str(out)])
+        assert requests["shapes-0000.tar"] == 2
         # a resume compares the masked flags: the same URL resumes
-        flags = REMOTE_RUN + ["--data", secret, "--steps", "2", "--out", str(tmp_path)]
+        flags = REMOTE_RUN + ["--data", secret, "--steps", "2", "--out", str(out)]
         train.main(flags + ["--resume", "--override", "steps"])
-        # sample.py --real's errors name the URL masked
-        with pytest.raises(SystemExit, match=r"ann:\*\*\*@.*FID needs 2") as e:
+        # the errors name the URL masked: sample.py --real's, and no shard at all
+        with pytest.raises(SystemExit, match=r"ann:\*\*\*@.*FID needs 2") as real:
             evaluate.real_images(secret, 16, 1)
-        assert "s3cret" not in str(e.value) and "t0k3n" not in str(e.value)
+        nothing = secret.replace("/?", "/nothing-{0..1}.tar?")
+        with pytest.raises(SystemExit, match=r"ann:\*\*\*@.*nothing-0") as none:
+            train.main(REMOTE_RUN + ["--data", nothing, "--out", str(tmp_path / "none")])
     said = capfd.readouterr()
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    warned = [str(w.message) for w in warned]
+    for kind in ("retry 1 of 3", "skipping unreachable shard", "skipping bad sample 'zz-bad'"):
+        assert [w for w in warned if kind in w and "ann:***@" in w], (kind, warned)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 2
     assert ckpt["args"]["data"] == url.replace("http://", "http://ann:***@") + "?token=***"
-    saved = [open(tmp_path / f, "rb").read() for f in ("args.json", "log.jsonl", "ckpt.pt")]
-    for text in (said.out, said.err, *saved):
+    saved = [open(out / f, "rb").read() for f in ("args.json", "log.jsonl", "ckpt.pt")]
+    told = (said.out, said.err, str(real.value), str(none.value), *warned, *saved)
+    for text in told:
         text = text if isinstance(text, bytes) else text.encode()
         assert b"s3cret" not in text and b"t0k3n" not in text
+
+
+def test_brace_ranges_and_comma_lists_name_each_shard_once_in_any_mix(tmp_path):
+    """Fails where a comma inside braces is taken for the list's (`shard-{a,b}.tar` as the two
+    names `shard-{a` and `b}.tar`), or a list of patterns is expanded as one pattern."""
+    host = "http://127.0.0.1:9/x/"
+    got = data.resolve_shards(host + "shard-{00..02}.tar", 16)
+    assert got == [host + f"shard-0{i}.tar" for i in range(3)]
+    got = data.resolve_shards(host + "shard-{a,b}.tar", 16)
+    assert got == [host + "shard-a.tar", host + "shard-b.tar"]
+    got = data.resolve_shards(f"{host}c.tar,{host}b-{{0..1}}.tar,{host}a-{{x,y}}.tar", 16)
+    want = ["a-x.tar", "a-y.tar", "b-0.tar", "b-1.tar", "c.tar"]
+    assert got == [host + name for name in want]
+    # local paths, listed and in braces; pipe: commands expand their braces
+    for name in ("a.tar", "b.tar"):
+        write_shard(str(tmp_path / name), [])
+    paths = [str(tmp_path / "a.tar"), str(tmp_path / "b.tar")]
+    assert data.resolve_shards(",".join(paths), 16) == paths
+    assert data.resolve_shards(f"{tmp_path}/{{a,b}}.tar", 16) == paths
+    got = data.resolve_shards("pipe:cat /s/x-{0..1}.tar", 16)
+    assert got == ["pipe:cat /s/x-0.tar", "pipe:cat /s/x-1.tar"]
+
+
+@pytest.mark.xdist_group("local_run")
+def test_a_signed_query_and_encoded_credentials_reach_each_request_a_missing_client_stops_at_once(
+    local_run, tmp_path, monkeypatch
+):
+    """Fails where a signed URL's query is dropped for manifest.json, precompute.json or a shard
+    (the server answers 403 without it), where a percent-encoded user or password is sent still
+    encoded (401), or where a client that is not installed (127) or not runnable (126) is retried
+    instead of given up at once."""
+    folder, local = local_run
+    monkeypatch.setattr(data, "BACKOFF", 0.01)
+    signed = tmp_path / "signed"
+    shutil.copytree(folder, signed)
+    sig = "sig=a%2Fb%3D&expires=9"
+    with shard_server(signed, query=sig) as (url, requests):
+        # a folder URL: its manifest, then each shard, each asked for with the query
+        run = tmp_path / "run"
+        train.main(REMOTE_RUN + ["--data", f"{url}?{sig}", "--steps", "1", "--out", str(run)])
+        assert requests["manifest.json"] >= 1 and requests["shapes-0000.tar"] >= 1
+        assert logged(run)[0]["loss"] == logged(local)[0]["loss"]
+        assert logged(run)[0]["unreachable_shards"] == 0
+        # precompute.json beside the shards is read with it too: here it says the shards are
+        # reflow pairs, which a run without --init must refuse
+        data.write_json(signed / "precompute.json", {"pairs": "parent/ckpt.pt"})
+        with pytest.raises(SystemExit, match="holds reflow pairs drawn from parent/ckpt.pt"):
+            train.main(REMOTE_RUN + ["--data", f"{url}?{sig}", "--out", str(tmp_path / "pairs")])
+        assert requests["precompute.json"] >= 1
+    # reserved characters in a user and a password, percent-encoded in the URL
+    with shard_server(folder, password="ann@b.org:p:/s w%") as (url, requests):
+        encoded = url.replace("http://", "http://ann%40b.org:p%3A%2Fs%20w%25@")
+        got = [s["__key__"] for s in data.read_tars([encoded + "shapes-0000.tar"])]
+        assert got == [s["__key__"] for s in data.read_tars([f"{folder}/shapes-0000.tar"])]
+        assert data.masked(encoded) == url.replace("http://", "http://ann%40b.org:***@")
+    # a client that is not installed, or not runnable: given up at once, named, no retry
+    not_runnable = tmp_path / "client.sh"
+    not_runnable.write_text("cat $1\n")
+    for command, status, why in (
+        (f"pipe:no-such-client-73 cp {folder}/shapes-0000.tar -", 127, "not found: install"),
+        (f"pipe:{not_runnable} {folder}/shapes-0000.tar", 126, "not runnable"),
+    ):
+        faults = data.Faults()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert list(data.read_tars([command], retries=3, faults=faults)) == []
+        assert faults.retries == 0 and faults.unreachable == 1
+        assert command in faults.last and f"status {status} (" in faults.last and why in faults.last
+        assert not [w for w in said if "retry" in str(w.message)]
 
 
 @pytest.mark.xdist_group("local_run")
