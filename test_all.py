@@ -612,7 +612,7 @@ def test_time_shift_and_contrast_reach_the_training_step_and_the_sampler_uses_th
     monkeypatch.setattr(flow, "flow_loss", lambda *a: contrast.append(a[-1]) or real_loss(*a))
     fed, drawn = {}, {}
     for name, extra in (
-        ("shift", ["--t-shift", "3"]), ("plain", []),
+        ("shift", ["--t-shift", "3", "--cfg", "3"]), ("plain", []),
         ("uniform", ["--t-dist", "uniform", "--contrast", "0.05"]),
     ):
         times.clear()
@@ -650,6 +650,22 @@ def test_time_shift_and_contrast_reach_the_training_step_and_the_sampler_uses_th
         "--out", str(tmp_path / "pairs"),
     ])
     assert [t[0].item() for t in times] == [1.0, 0.75], times
+    # --eval and --pairs without --steps or --cfg: the run's shift, --sample-steps and --cfg
+    # (fails where either samples with a default of its own)
+    runs, real_generate = [], flow.generate
+    monkeypatch.setattr(
+        flow, "generate",
+        lambda *a: runs.append(a[4:]) or real_generate(*a),
+    )
+    shifted = flow.shift_t(torch.linspace(1, 0, 5)[:-1], 3.0).tolist()
+    for extra in (["--eval", "--eval-n", "1"], ["--pairs", "2", "--out", str(tmp_path / "p")]):
+        times.clear()
+        runs.clear()
+        sample.main(["--ckpt", str(tmp_path / "shift" / "ckpt.pt"), *extra])
+        assert runs == [(4, 3.0, 3.0)] and [t[0].item() for t in times] == shifted, extra
+    pairs = data.read_json(tmp_path / "p" / "precompute.json")
+    assert (pairs["steps"], pairs["cfg"]) == (4, 3.0)
+    assert os.path.exists(tmp_path / "shift" / "eval_4steps_cfg3.png")
     with pytest.raises(SystemExit, match="--t-shift"):  # a resume may not silently change it
         train.main(TINY + [
             "--image-size", "16", "--steps", "4", "--batch-size", "64",
@@ -2556,11 +2572,21 @@ def test_ema_0_keeps_no_copy_and_override_ema_starts_one_from_the_weights_or_dro
     tmp_path, monkeypatch
 ):
     flags = TINY + ["--image-size", "16", "--steps", "2", "--warmup", "2"]
+    # a grid after step 1, and that step's checkpoint kept as ckpt.prev.pt
+    every_step = ["--sample-every", "1", "--ckpt-every", "1"]
     runs = {
-        ema: train.main(flags + ["--ema", ema, "--out", str(tmp_path / ema)])
+        ema: train.main(flags + every_step + ["--ema", ema, "--out", str(tmp_path / ema)])
         for ema in ("0", "0.9")
     }
     assert runs["0"].ema is runs["0"].model and runs["0.9"].ema is not runs["0.9"].model
+    # the mid-run grid is the EMA's: drawn again from step 1's EMA weights, pixel for pixel,
+    # and not the trained weights' (fails where grids sample the raw model)
+    grid = np.asarray(Image.open(tmp_path / "0.9" / "samples" / "step_000001.png"))
+    for raw in (False, True):
+        model, encoder, _ = sample.load(str(tmp_path / "0.9" / "ckpt.prev.pt"), raw=raw)
+        again = str(tmp_path / f"again_raw{raw}.png")
+        sample.score_heldout(model, encoder, None, None, again, 1, 4, 2.0, 1234, model.t_shift)
+        assert np.array_equal(np.asarray(Image.open(again)), grid) == (not raw)
     seed1 = train.main(flags + ["--ema", "0", "--seed", "1", "--out", str(tmp_path / "seed1")])
 
     def same(a, b):
@@ -2993,9 +3019,10 @@ def test_reflow_trains_on_the_models_own_pairs_and_one_step_then_lands_near_the_
 # -----------------------------------------------------------------------------------------------
 def two_rank_runs(tmp, model):
     """One process, then DDP and FSDP on 2 ranks with the same global batch -> (what the ranks said,
-    the one-process run, the flags they share). moe: also checkpoints and grids at step 3, and from
-    there FSDP resumed from its own checkpoint ("again"), and across engines: DDP from FSDP's
-    ("to_ddp"), FSDP from DDP's ("to_fsdp")."""
+    the one-process run, the flags they share). moe: also checkpoints at steps 2, 4 and 6 and grids
+    at step 3; from step 4, FSDP resumed from its own folder with ckpt.pt torn ("again": it falls
+    back to ckpt.prev.pt), and across engines: DDP from FSDP's ("to_ddp"), FSDP from DDP's
+    ("to_fsdp")."""
     # every sample identical, so both runs see the same batches whatever the shard split; noise,
     # times and caption drop are drawn for the global batch on every rank (each keeps its slices);
     # 2 ranks x 2 micro-batches x 4 (no all-reduce on the first micro-batch: no_sync) = 1 x 16
@@ -3011,7 +3038,7 @@ def two_rank_runs(tmp, model):
     if model == "moe":
         flags += [
             "--moe", "4", "--balance", "bias", "--bias-rate", "0.01", "--ema", "0.9",
-            "--ckpt-every", "3", "--sample-every", "3", "--grad-ckpt",
+            "--ckpt-every", "2", "--sample-every", "3", "--grad-ckpt",
         ]
     alone = train.main(
         flags + ["--batch-size", "16", "--out", str(tmp / "one")]
@@ -3023,11 +3050,13 @@ def two_rank_runs(tmp, model):
         dist: ranks(two + ["--dist", dist, "--out", str(tmp / dist)]) for dist in ("ddp", "fsdp")
     }
     if model == "moe":
-        for out, dist, source in (
-            ("again", "fsdp", "fsdp"), ("to_ddp", "ddp", "fsdp"), ("to_fsdp", "fsdp", "ddp"),
-        ):
+        shutil.copytree(tmp / "fsdp", tmp / "again")
+        torn = (tmp / "again" / "ckpt.pt").read_bytes()
+        (tmp / "again" / "ckpt.pt").write_bytes(torn[: len(torn) // 2])
+        for out, dist, source in (("to_ddp", "ddp", "fsdp"), ("to_fsdp", "fsdp", "ddp")):
             os.makedirs(tmp / out)
-            shutil.copy(tmp / source / "ckpt.prev.pt", tmp / out / "ckpt.pt")  # (step 3)
+            shutil.copy(tmp / source / "ckpt.prev.pt", tmp / out / "ckpt.pt")  # (step 4)
+        for out, dist in (("again", "fsdp"), ("to_ddp", "ddp"), ("to_fsdp", "fsdp")):
             said[out] = ranks(two + ["--dist", dist, "--out", str(tmp / out), "--resume"])
     return said, alone, flags
 
@@ -3246,7 +3275,16 @@ def test_fsdp_resumes_exactly_and_its_checkpoints_cross_to_ddp_and_back(moe_two_
     runs = ("ddp", "fsdp", "again", "to_ddp", "to_fsdp")
     ckpt = {d: torch.load(tmp / d / "ckpt.pt", weights_only=True) for d in runs}
     assert all(c["step"] == 6 for c in ckpt.values())
-    assert all(f"resumed from {tmp}/{d}/ckpt.pt at step 3" in said[d] for d in runs[2:])
+    # three saves (steps 2, 4, 6) under each engine: ckpt.pt and the one before it, nothing else;
+    # a torn ckpt.pt is set aside and the resume reads ckpt.prev.pt (fails where the one before
+    # is not kept, or kept past its turn)
+    for d in ("one", "ddp", "fsdp", "again"):
+        files = sorted(f for f in os.listdir(tmp / d) if f.startswith("ckpt"))
+        assert files == ["ckpt.bad.pt"] * (d == "again") + ["ckpt.prev.pt", "ckpt.pt"], d
+        assert torch.load(tmp / d / "ckpt.prev.pt", weights_only=True)["step"] == 4, d
+        assert not os.path.exists(tmp / d / "deepspeed"), d
+    assert f"resumed from {tmp}/again/ckpt.prev.pt at step 4" in said["again"]
+    assert all(f"resumed from {tmp}/{d}/ckpt.pt at step 4" in said[d] for d in runs[3:])
     for part in ("model", "ema"):
         for name in ckpt["ddp"][part]:
             # bit for bit
@@ -3314,7 +3352,7 @@ def check_loaded_whole(monkeypatch):
 def test_resume_on_another_world_size_loads_every_tensor_bit_for_bit_and_trains_on(
     moe_two_ranks, monkeypatch, capsys
 ):
-    # step 3's checkpoints: DDP's (2 ranks x 2 micro-batches x 4), one process's (8)
+    # step 4's checkpoints: DDP's (2 ranks x 2 micro-batches x 4), one process's (8)
     tmp, _, _, flags = moe_two_ranks
     check_loaded_whole(monkeypatch)
     for out, source in (("to_one", "ddp"), ("to_two", "one")):
@@ -3335,8 +3373,8 @@ def test_resume_on_another_world_size_loads_every_tensor_bit_for_bit_and_trains_
     said = capsys.readouterr().out
     assert "--override world: 2 -> 1 ranks; --grad-accum 4 keeps the global batch at 16" in said
     assert "loaded bit for bit" in said and "ranks 2 -> 1" in said and run.step == 6
-    # each rank had taken 6 of the epoch
-    assert run.position.epoch == 0 and run.position.batches_before == 6
+    # each rank had taken 8 of the epoch (4 steps x 2 micro-batches)
+    assert run.position.epoch == 0 and run.position.batches_before == 8
     # requeued with its first flags (--grad-accum 2) on as many ranks: --grad-accum stays 4
     again = train.main(to_one + ["--steps", "7", "--override", "steps", "--override", "world"])
     assert (
@@ -3521,13 +3559,14 @@ def test_fsdp_moe_step_completes_where_a_rank_s_experts_get_no_token():
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
     """One set of ZeRO-2 runs shared by the tests, on identical samples: 2 ranks x batch 4 x 2
-    micro-batches ("a"), one process with the same global batch (it holds the whole optimizer state,
-    as a DDP rank does), and "b": the folder "a" would leave had it been killed as step 3 began (its
-    step-2 checkpoint and partitions, the log up to there), resumed."""
+    micro-batches ("a", a checkpoint every step), one process with the same global batch (it holds
+    the whole optimizer state, as a DDP rank does), and "b": the folder "a" would leave had it been
+    killed as step 4 began while its ckpt.pt was being torn (the log up to step 3; ckpt.prev.pt and
+    its partitions whole), resumed."""
     tmp = tmp_path_factory.mktemp("zero2")
     flags = TINY + [
         "--data", identical_shards(tmp / "same"), "--image-size", "16", "--steps", "4",
-        "--ckpt-every", "2", "--lr", "2e-3", "--warmup", "2",
+        "--ckpt-every", "1", "--lr", "2e-3", "--warmup", "2",
         # ZeRO's own accumulation
         "--grad-accum", "2",
     ]
@@ -3538,11 +3577,12 @@ def zero2(tmp_path_factory):
         one=engine.optimizer_bytes(one.opt),
     )
     a, b = tmp / "a", tmp / "b"
-    shutil.copytree(a / "deepspeed" / "step000002", b / "deepspeed" / "step000002")
-    shutil.copy(a / "ckpt.prev.pt", b / "ckpt.pt")
-    shutil.copy(a / "args.json", b / "args.json")
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "deepspeed" / "step000004")
+    torn = (b / "ckpt.pt").read_bytes()
+    (b / "ckpt.pt").write_bytes(torn[: len(torn) // 2])
     (b / "log.jsonl").write_text(
-        "".join(line for line in open(a / "log.jsonl") if json.loads(line).get("step", 0) <= 2)
+        "".join(line for line in open(a / "log.jsonl") if json.loads(line).get("step", 0) <= 3)
     )
     said["b"] = ranks(two + ["--dist", "deepspeed", "--out", str(b), "--resume"])
     return tmp, said, two
@@ -3579,7 +3619,8 @@ def test_deepspeed_zero2_halves_optimizer_state_and_tracks_one_process(zero2):
 def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
     tmp, said, two = zero2
     a, b = tmp / "a", tmp / "b"
-    assert f"resumed from {b}/ckpt.pt at step 2" in said["b"]
+    # a torn ckpt.pt: the resume reads ckpt.prev.pt and the partitions it names
+    assert f"resumed from {b}/ckpt.prev.pt at step 3" in said["b"]
     ca, cb = (torch.load(d / "ckpt.pt", weights_only=True) for d in (a, b))
     assert (
         ca["step"] == cb["step"] == 4
@@ -3594,10 +3635,15 @@ def test_deepspeed_resume_is_bit_identical_and_its_ckpt_samples(zero2):
         for d in (a, b)
     ]
     assert len(losses[1]) == 4 and losses[0] == losses[1], losses
-    # only the partitions that ckpt.pt and ckpt.prev.pt name are kept
-    tags = sorted(d for d in os.listdir(b / "deepspeed") if d.startswith("step"))
-    assert tags == ["step000002", "step000004"]
-    assert torch.load(b / "ckpt.prev.pt", weights_only=True)["deepspeed_tag"] == "step000002"
+    # four saves: only the partitions that ckpt.pt and ckpt.prev.pt name are kept (fails where
+    # old partitions pile up, or where the one ckpt.prev.pt needs goes)
+    for d, set_aside in ((a, []), (b, ["ckpt.bad.pt"])):
+        files = sorted(f for f in os.listdir(d) if f.startswith("ckpt"))
+        assert files == set_aside + ["ckpt.prev.pt", "ckpt.pt"], d
+        tags = sorted(t for t in os.listdir(d / "deepspeed") if t.startswith("step"))
+        assert tags == ["step000003", "step000004"], d
+        prev = torch.load(d / "ckpt.prev.pt", weights_only=True)
+        assert (prev["step"], prev["deepspeed_tag"]) == (3, "step000003"), d
     # another --dist cannot read ZeRO's partitioned optimizer state: a clear exit naming the fix
     codes, said = forked_ranks(two + ["--dist", "ddp", "--out", str(b), "--resume"])
     assert 0 not in codes and "resume with --dist deepspeed" in said, said[-3000:]
@@ -4818,6 +4864,18 @@ def test_fid_is_the_frechet_distance_of_the_features_and_is_sees_diversity(tmp_p
         sa + sb - 2 * linalg.sqrtm(sa @ sb).real
     )
     assert math.isclose(other["fid"], hand, rel_tol=1e-3), (other["fid"], hand)
+    # KID: the unbiased squared MMD of the features under the cubic kernel (x.y / d + 1)^3; its
+    # 100 subsets of 32 estimate the whole sets' value (the logits' would be ~15x it)
+    def mmd(x, y):
+        d, m = x.shape[1], len(x)
+        kxx, kyy, kxy = ((u @ v.T / d + 1) ** 3 for u, v in ((x, x), (y, y), (x, y)))
+        within = (kxx.sum() - np.trace(kxx) + kyy.sum() - np.trace(kyy)) / (m * (m - 1))
+        return within - 2 * kxy.mean()
+    assert math.isclose(other["kid"], mmd(fa, fb), rel_tol=0.1), (other["kid"], mmd(fa, fb))
+    # IS: exp E_x KL(p(y|x) || p(y)) of the logits' softmax (one split: fewer than 100 samples)
+    p_y_x = torch.softmax(nets[1](b).double(), 1)
+    kl = (p_y_x * (p_y_x.log() - p_y_x.mean(0).log())).sum(1)
+    assert math.isclose(other["inception_score"], kl.mean().exp().item(), rel_tol=1e-5)
     # a new draw sits closer than red-only
     assert abs(same["fid"]) < 1e-4 and other["fid"] > 2 * fresh["fid"] > 0
     # p(y|x) = p(y) for every x: IS = exp(0) = 1
@@ -4954,6 +5012,28 @@ def test_sample_eval_adds_fid_is_and_clip_score_to_the_json_line(tmp_path, built
 
 
 @pytest.mark.xdist_group("emoji_set")
+def test_top_1_and_top_5_count_the_samples_whose_name_fewer_than_1_and_5_others_beat(monkeypatch):
+    """A crafted case: a feature net that reads pixels, so a sample's similarity to each name is
+    its pixel at that name's place. Fails where top-5 counts the top 4 or the top 6, or top-1
+    counts a sample another name beats."""
+    # 8 names: name m's 5 x 5 picture lights the mth inner pixel of its red channel
+    inner = [5 * row + col for row in (1, 2, 3) for col in (1, 2, 3)][:8]
+    real = torch.zeros(8, 3 * 5 * 5, dtype=torch.uint8)
+    real[range(8), inner] = 255
+    monkeypatch.setattr(evaluate, "name_net", lambda names: lambda x: (x.float().flatten(1), 0))
+    # each sample's right name is 0, beaten by 0, 1, 4, 5 and 7 others
+    fake = torch.zeros(5, 75, dtype=torch.uint8)
+    for row, beaten_by in enumerate((0, 1, 4, 5, 7)):
+        fake[row, inner] = 10
+        fake[row, inner[0]] = 100
+        fake[row, inner[1:1 + beaten_by]] = 200
+    names = {"real": real.view(8, 3, 5, 5)}
+    want = torch.zeros(5, dtype=torch.long)
+    got = evaluate.retrieval_scores(fake.view(5, 3, 5, 5), want, names, fid=False)
+    assert (got["top1"], got["top5"]) == pytest.approx((1 / 5, 3 / 5))
+    assert (got["chance1"], got["chance5"]) == (1 / 8, 5 / 8)
+
+
 def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set):
     out, _ = emoji_set
     names = evaluate.names_set(out, 16)
