@@ -1955,32 +1955,39 @@ def test_prepare_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_pat
     (tmp_path / "imgs").mkdir()
     with open(tmp_path / "list.csv", "w") as f:
         f.write("path,caption\n")
-        for i, c in enumerate(((200, 30, 30), (30, 30, 200))):
-            Image.new("RGB", (40, 40), c).save(tmp_path / "imgs" / f"{i}.png")
+        # two squares and a wide one
+        for i, (c, size) in enumerate((((200, 30, 30), (40, 40)), ((30, 30, 200), (40, 40)),
+                                       ((30, 200, 30), (96, 48)))):
+            Image.new("RGB", size, c).save(tmp_path / "imgs" / f"{i}.png")
             f.write(f'imgs/{i}.png,"caption {i}, with a comma"\n')
     r = run(
-        "shards", tmp_path / "list.csv", tmp_path / "shards", "--size", "32", "--per-shard", "1"
+        "shards", tmp_path / "list.csv", tmp_path / "shards", "--size", "32", "--per-shard", "2",
+        "--quality", "40", "--buckets", "16",
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    got = [
-        s
-        for u in sorted((tmp_path / "shards").glob("*.tar"))
-        for s in wds.tarfile_samples([{"url": str(u)}])
-    ]
-    assert [s["txt"].decode() for s in got] == [
-        "caption 0, with a comma", "caption 1, with a comma",
-    ]
-    assert (
-        Image.open(io.BytesIO(got[1]["jpg"])).size == (32, 32)
-        and sha256sum_check(tmp_path / "shards")[0] == 0
-    )
-    raw = data.make_builtin(str(tmp_path / "raw"), size=16, n_shards=1, per_shard=20)
+    tars = sorted((tmp_path / "shards").glob("*.tar"))
+    got = [s for u in tars for s in wds.tarfile_samples([{"url": str(u)}])]
+    assert [s["txt"].decode() for s in got] == [f"caption {i}, with a comma" for i in range(3)]
+    # --per-shard 2: 2 + 1; --buckets 16: the wide picture goes to the widest bucket
+    assert len(tars) == 2 and sha256sum_check(tmp_path / "shards")[0] == 0
+    jpgs = [Image.open(io.BytesIO(s["jpg"])) for s in got]
+    assert jpgs[1].size == (32, 32) and jpgs[2].size == max(data.buckets(32, 16))
+    # --quality 40: the JPEG's quantization tables are PIL's at 40
+    assert jpgs[1].quantization == Image.open(
+        io.BytesIO(data.encoded(Image.new("RGB", (32, 32)), "JPEG", quality=40))
+    ).quantization
+    raw = data.make_builtin(str(tmp_path / "raw"), size=32, n_shards=1, per_shard=20)
     r = run(
-        "precompute", tmp_path / "raw", tmp_path / "pre", "--image-size", "16", "--batch-size", "8"
+        "precompute", tmp_path / "raw", tmp_path / "pre", "--image-size", "16", "--batch-size", "8",
+        "--text-encoder", SMALL_ENCODER,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     pre = list(wds.tarfile_samples([{"url": str(tmp_path / "pre" / os.path.basename(raw[0]))}]))
     assert len(pre) == 20 and {"latent.npy", "text.npy", "mask.npy"} <= set(pre[0])
+    # --image-size 16 of 32 px pictures; the encoder named, as train.py will check
+    assert np.load(io.BytesIO(pre[0]["latent.npy"])).shape == (3, 16, 16)
+    about = data.read_json(tmp_path / "pre" / "precompute.json")
+    assert (about["image_size"], about["text_encoder"]) == (16, SMALL_ENCODER)
     if not os.path.exists(prepare.EMOJI_FONT):
         assert not STRICT, (
             f"CI needs the emoji font {prepare.EMOJI_FONT}: apt-get install fonts-noto-color-emoji"
@@ -1993,6 +2000,10 @@ def test_prepare_py_command_lines_shards_from_a_csv_emoji_and_precompute(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     names = evaluate.names_set(str(tmp_path / "emoji"), 16)
     assert "red apple" in names["names"] and len(names["real"]) == len(names["names"]) > 100
+    # --categories food: no animal; --size 16: the shards' pictures
+    assert "dog face" not in names["names"]
+    first = next(wds.tarfile_samples([{"url": str(sorted((tmp_path / "emoji").glob("*.tar"))[0])}]))
+    assert Image.open(io.BytesIO(first["jpg"])).size == (16, 16)
 
 
 def glyph_like(n):
@@ -2159,6 +2170,15 @@ def test_a_connection_cut_part_way_through_each_shard_is_retried_past_the_sample
     assert log[-1]["retries"] == 2 and log[-1]["unreachable_shards"] == 0
     # epoch 0: cut, reopened; epoch 1: whole
     assert requests["shapes-0000.tar"] == requests["shapes-0001.tar"] == 3
+    # --retries 0: a cut shard is given up at once (the samples before the cut kept)
+    with shard_server(folder, cut=cut) as (url, requests):
+        train.main(REMOTE_RUN + [
+            "--data", url + "shapes-{0000..0001}.tar", "--retries", "0", "--steps", "1",
+            "--out", str(tmp_path / "no_retry"),
+        ])
+    log = logged(tmp_path / "no_retry")
+    assert (log[-1]["retries"], log[-1]["unreachable_shards"]) == (0, 2)
+    assert requests["shapes-0000.tar"] == requests["shapes-0001.tar"] == 1
     # a client exiting non-zero part-way (its first time) is retried the same way
     shard = os.path.join(folder, "shapes-0000.tar")
     half, mark = os.path.getsize(shard) // 2, tmp_path / "failed-once"
@@ -2396,6 +2416,54 @@ def test_bad_flags_exit_with_an_argparse_error_naming_the_fix(argv, fix, capsys)
     with pytest.raises(SystemExit) as e:
         train.get_args(argv)
     assert e.value.code == 2 and fix in capsys.readouterr().err
+
+
+def test_the_flags_no_run_comparison_sees_reach_the_code_they_set(tmp_path, builtin16, monkeypatch):
+    """Flags whose runs the other tests compare only with the same value on both sides (or never
+    set): one MeanFlow MoE step with each away from its default, each read where it acts. Fails
+    where train.py parses one of them and then uses its default."""
+    import inspect
+
+    import model as model_py
+
+    seen = collections.defaultdict(list)
+
+    def spy(module, name, *keys):
+        real = getattr(module, name)
+
+        def wrapper(*a, **kw):
+            bound = inspect.signature(real).bind(*a, **kw)
+            bound.apply_defaults()
+            seen[name].append({k: bound.arguments[k] for k in keys})
+            return real(*a, **kw)
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy(flow, "sample_t_r", "share")
+    spy(flow, "meanflow_loss", "guidance", "power", "captioned")
+    spy(moe, "nudge_biases", "rate")
+    spy(data, "batches", "workers", "retries")
+    spy(model_py, "attention", "impl", "q")
+    run = train.main(TINY + [
+        "--image-size", "16", "--steps", "1", "--heads", "4", "--attn", "manual",
+        "--objective", "meanflow", "--mf-share", "0.5", "--mf-power", "0.5", "--mf-guidance", "1.5",
+        "--cfg-drop", "1", "--moe", "4", "--topk", "1", "--shared-experts", "0",
+        "--balance", "bias", "--bias-rate", "0.02", "--text-cache", "3", "--retries", "5",
+        "--workers", "2", "--out", str(tmp_path),
+    ])
+    assert seen["sample_t_r"] == [{"share": 0.5}]
+    (loss,) = seen["meanflow_loss"]
+    # --cfg-drop 1: every caption nulled
+    assert (loss["guidance"], loss["power"], loss["captioned"].any().item()) == (1.5, 0.5, False)
+    assert seen["nudge_biases"] == [{"rate": 0.02}]
+    assert seen["batches"] == [{"workers": 2, "retries": 5}]
+    # 4 heads of 8 channels, written out
+    assert {(a["impl"], a["q"].shape[1], a["q"].shape[-1]) for a in seen["attention"]} == {
+        ("manual", 4, 8)
+    }
+    layers = [m for m in run.model.modules() if isinstance(m, moe.MoE)]
+    assert layers and all(m.k == 1 and m.shared is None for m in layers)
+    # the 16 captions of the batch were encoded; 3 stay cached
+    assert run.encoder.cache_size == 3 and len(run.encoder.cache) <= 3
 
 
 def test_model_presets_are_dits_sizes_and_explicit_flags_override_them(capsys):
