@@ -2975,9 +2975,12 @@ def test_init_starts_a_run_from_its_parent_the_same_model_or_upcycled_and_refuse
     # reflow's way: the same model, a new run
     child("same")
     child("moe", "--moe", "4", "--expert-hidden", str(moe.dense_hidden(32)))  # DiT-MoE's upcycling
+    # the README's upcycling: one routed expert, no shared one
+    child("top1", "--moe", "4", "--topk", "1", "--shared-experts", "0",
+          "--expert-hidden", str(moe.dense_hidden(32)))
     # MeanFlow from a rectified-flow model: its interval branch starts at zero, t at its scale
     child("meanflow", "--objective", "meanflow")
-    assert firsts == [True, True, True]
+    assert firsts == [True, True, True, True]
     meanflow = torch.load(tmp_path / "meanflow" / "ckpt.pt", weights_only=True)["config"]
     assert meanflow["time_scale"] == 1000 and meanflow["meanflow"]
     sparse = torch.load(tmp_path / "moe" / "ckpt.pt", weights_only=True)["model"]
