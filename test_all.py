@@ -397,7 +397,7 @@ def builtin16():
 STOPPED = [
     "--image-size", "16", "--width", "32", "--depth", "2", "--heads", "2", "--batch-size", "8",
     "--workers", "1", "--sample-every", "0", "--eval-n", "0", "--sample-steps", "2",
-    "--steps", "100", "--log-every", "1",
+    "--steps", "40", "--log-every", "1",
     # runs a signal stops (Slurm, torchrun): a checkpoint when stopped
     "--ckpt-every", "1000", *SMALL_TEXT,
 ]
@@ -4343,9 +4343,9 @@ def test_usr1_or_term_to_train_py_checkpoints_and_the_resumed_run_ends_as_an_uni
 ):
     small = data.make_builtin(str(tmp_path / "small"), size=16, n_shards=2, per_shard=40)
     flags = TINY + [
-        "--data", ",".join(small), "--image-size", "16", "--steps", "60", "--ckpt-every", "1000",
+        "--data", ",".join(small), "--image-size", "16", "--steps", "30", "--ckpt-every", "1000",
         # a loader worker, and grids while it runs
-        "--workers", "1", "--sample-every", "20",
+        "--workers", "1", "--sample-every", "10",
     ]
     train.main(flags + ["--out", str(tmp_path / "a")])
     held = (
@@ -4383,7 +4383,7 @@ def test_usr1_or_term_to_train_py_checkpoints_and_the_resumed_run_ends_as_an_uni
     )
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("a", "SIGUSR1/run"))
-    assert a["step"] == 60
+    assert a["step"] == 30
     assert_same_run(b, a)
 
 
@@ -5443,7 +5443,7 @@ def test_slurm_jobs_train_two_ranks_fail_when_bad_and_requeued_ones_end_as_unint
     jobs["resized"] = sbatch(
         tmp_path / "resized",
         STOPPED
-        + ["--steps", "102", "--override", "steps", "--out", str(tmp_path / "resized" / "run")],
+        + ["--steps", "42", "--override", "steps", "--out", str(tmp_path / "resized" / "run")],
     )
     for how in ("usr1", "requeue"):
         wait_for_log_lines(tmp_path / how / "run" / "log.jsonl", 5, timeout=300)
@@ -5460,7 +5460,7 @@ def test_slurm_jobs_train_two_ranks_fail_when_bad_and_requeued_ones_end_as_unint
     assert "JobState=FAILED" in states[jobs["bad"]], states[jobs["bad"]]
     resized = torch.load(tmp_path / "resized" / "run" / "ckpt.pt", weights_only=True)
     assert (
-        resized["step"] == 102
+        resized["step"] == 42
         and len(resized["data"]) == 1
         and "JobState=COMPLETED" in states[jobs["resized"]]
     )
@@ -5474,7 +5474,7 @@ def test_slurm_jobs_train_two_ranks_fail_when_bad_and_requeued_ones_end_as_unint
             how, state, out[-3000:],
         )
         assert_same_run(torch.load(tmp_path / how / "run" / "ckpt.pt", weights_only=True), ref)
-        assert ref["step"] == 100
+        assert ref["step"] == 40
         resumed = [
             json.loads(line)["resume"]["step"]
             for line in open(tmp_path / how / "run" / "log.jsonl")
