@@ -1178,6 +1178,14 @@ def test_bias_balancing_moves_a_skewed_router_toward_balance_and_keeps_the_unbia
     assert m.bias[0] < 0 and moe.balance_loss(m).item() == 0
     # top-1: weight 1
     assert torch.equal(probs, m.router(x).softmax(-1)) and torch.allclose(w, torch.ones_like(w))
+    # top-2: the biases pick the experts, never weight them (fails where the biased scores weight)
+    m2 = moe.MoE(16, n_experts=4, topk=2, n_shared=0, hidden=8, balance="bias")
+    with torch.no_grad():
+        m2.bias.copy_(torch.tensor([0.0, 0.0, 5.0, 5.0]))
+    probs, w, idx = m2.route(x)
+    assert set(idx.flatten().tolist()) == {2, 3}
+    picked = m2.router(x).softmax(-1).gather(1, idx)
+    assert torch.allclose(w, picked / picked.sum(1, keepdim=True))
     # aux checkpoints keep their keys
     assert "bias" not in dict(moe.MoE(16, 4, balance="aux").named_buffers())
 
