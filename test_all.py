@@ -5147,22 +5147,30 @@ def test_retrieval_finds_the_named_picture_and_sharpness_sees_speckle(emoji_set)
 
 @pytest.mark.xdist_group("emoji_set")
 def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_rescores_the_emoji(
-    tmp_path, emoji_set, builtin16, capsys
+    tmp_path, emoji_set, builtin16, capsys, monkeypatch
 ):
     out, flags = (
         emoji_set[0],
         TINY + ["--image-size", "16", "--steps", "4", "--sample-every", "2", "--eval-n", "1"],
     )
-    r = subprocess.run(
-        [
-            sys.executable, "profile.py", "recipe", *flags, "--emoji", out,
-            "--compare", "cfg-drop=0.2", "--out", str(tmp_path),
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    argv = ["recipe", *flags, "--emoji", out, "--compare", "cfg-drop=0.2", "--out", str(tmp_path)]
+    prof = load_profile_py()
+    started = []
+
+    # in this process: the train.py command each run starts (a process apiece costs seconds)
+    def run(command, **kw):
+        if command[:2] != [sys.executable, os.path.join(ROOT, "train.py")]:
+            return subprocess.run(command, **kw)
+        assert kw == {"check": True}
+        started.append(command[2:])
+        train.main(command[2:])
+    monkeypatch.setattr(prof, "subprocess", argparse.Namespace(run=run))
+    capsys.readouterr()
+    prof.recipe(prof.get_args(argv), argv)
+    said = capsys.readouterr().out
+    assert len(started) == 2
     # CLAIMS.md's rows
-    rows = [line[2:-2].split(" | ") for line in r.stdout.splitlines() if line.startswith("| ")][1:]
+    rows = [line[2:-2].split(" | ") for line in said.splitlines() if line.startswith("| ")][1:]
     runs = {k: str(tmp_path / "recipe" / f"{k}_0.2") for k in ("shapes", "emoji")}
     final = {
         k: [json.loads(line) for line in open(os.path.join(d, "log.jsonl"))][-1]["eval"]
@@ -5186,6 +5194,7 @@ def test_recipe_trains_shapes_and_emoji_tabulates_their_scores_and_sample_eval_r
         )
         command = f"python train.py {' '.join(flags)} --cfg-drop 0.2"
         assert row[2] == f"`{command} --data {saved['data']} --out {d}`"
+        assert started.pop(0) == row[2].strip("`").split()[2:]
     written = open(tmp_path / "recipe" / "recipe.md").read().splitlines()[2:]
     assert written == ["| " + " | ".join(row) + " |" for row in rows]  # the rows printed, written
     run = str(tmp_path / "recipe" / "emoji_0.2")
