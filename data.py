@@ -278,7 +278,7 @@ def comma_list(data):
     inside braces is braceexpand's, not the list's."""
     parts, depth, start = [], 0, 0
     for i, c in enumerate(data):
-        depth += (c == "{") - (c == "}")
+        depth = max(0, depth + (c == "{") - (c == "}"))
         if c == "," and depth == 0:
             parts.append(data[start:i])
             start = i + 1
