@@ -43,6 +43,7 @@ RESUME_FLAGS = DATA_FLAGS + (
     "objective", "mf_share", "mf_power", "mf_guidance")
 # resume flags newer than some checkpoints: what those runs did
 BEFORE_THE_FLAG = dict(objective="rf", mf_share=0.25, mf_power=1.0, mf_guidance=2.0)
+MEANFLOW_FLAGS = ("mf_share", "mf_power", "mf_guidance")
 
 
 def holds_checkpoint(out):
@@ -237,8 +238,10 @@ def load_checkpoint(run, args):
     resized = saved_world != run.world
     batch_kept = new_world(run, args, ckpt, name) if resized or "world" in args.override else False
     saved = {**BEFORE_THE_FLAG, **ckpt["args"]}
+    # MeanFlow's flags shape nothing a rectified-flow run computes
+    unused = MEANFLOW_FLAGS if saved["objective"] == args.objective == "rf" else ()
     changed = {k: (v, getattr(args, k)) for k in RESUME_FLAGS
-               if (v := saved.get(k)) != getattr(args, k)}
+               if k not in unused and (v := saved.get(k)) != getattr(args, k)}
     allowed = args.override + ["grad_accum"] * batch_kept
     refused = {k: v for k, v in changed.items() if k not in allowed}
     if refused:

@@ -4227,6 +4227,11 @@ def test_resume_refuses_changed_flags_and_override_applies_them(tmp_path, monkey
     ):
         with pytest.raises(SystemExit, match=msg):
             train.main(flags + change + ["--out", out, "--resume"])
+    # a rectified-flow checkpoint saved while MeanFlow's defaults were others: they shape
+    # nothing it computes, so they neither refuse the resume nor count as changed
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    ckpt["args"].update(mf_power=1.0, mf_share=0.5)
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
     # --workers not given: its default here (as on a GPU machine)
     # would change the stream; the resume keeps the run's
     monkeypatch.setattr(data, "default_workers", lambda: 3)

@@ -86,8 +86,8 @@ def get_parser():
         help="rectified flow's velocity, or MeanFlow's average velocity (one-step samples)")
     add("--mf-share", type=float, default=0.25,
         help="meanflow: share of (r, t) draws with r < t (the rest: r = t, v's target)")
-    add("--mf-power", type=float, default=1.0,
-        help="meanflow: adaptive loss weight 1 / (loss + c)^p (0: the plain loss)")
+    add("--mf-power", type=float, default=0.5,
+        help="meanflow: adaptive loss weight 1 / (loss + c)^p (0: the plain loss; the paper's: 1)")
     add("--mf-guidance", type=float, default=2.0,
         help="meanflow: guidance scale trained into the target (1: none)")
     add("--cfg-drop", type=float, default=0.1,
