@@ -36,14 +36,15 @@ from model import DiT, count_params
 CKPT, PREV = "ckpt.pt", "ckpt.prev.pt"
 # what defines the stream a data.Position points into
 DATA_FLAGS = ("data", "batch_size", "grad_accum", "workers", "seed")
+# what shapes MeanFlow's target (--objective meanflow), and nothing else
+MEANFLOW_FLAGS = ("mf_share", "mf_power", "mf_guidance")
 # --resume refuses a change to these without --override
 RESUME_FLAGS = DATA_FLAGS + (
     "steps", "warmup", "lr", "t_dist", "t_shift", "contrast", "cfg_drop",
     "ema", "precision", "bias_rate", "text_encoder", "vae", "image_size",
-    "objective", "mf_share", "mf_power", "mf_guidance")
+    "objective") + MEANFLOW_FLAGS
 # resume flags newer than some checkpoints: what those runs did
 BEFORE_THE_FLAG = dict(objective="rf", mf_share=0.25, mf_power=1.0, mf_guidance=2.0)
-MEANFLOW_FLAGS = ("mf_share", "mf_power", "mf_guidance")
 
 
 def holds_checkpoint(out):

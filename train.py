@@ -172,7 +172,7 @@ def get_args(argv=None, parser=None):
         if args.mf_guidance != 1 and not args.cfg_drop:
             p.error("--mf-guidance needs the null caption trained: --cfg-drop > 0, "
                     "or --mf-guidance 1")
-    elif any(getattr(args, k) != p.get_default(k) for k in ("mf_share", "mf_power", "mf_guidance")):
+    elif any(getattr(args, k) != p.get_default(k) for k in runfolder.MEANFLOW_FLAGS):
         p.error("--mf-share, --mf-power and --mf-guidance shape MeanFlow's target: "
                 "add --objective meanflow")
     args.cfg = args.cfg if args.cfg is not None else (1.0 if meanflow else 2.0)
