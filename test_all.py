@@ -2458,7 +2458,7 @@ def test_the_flags_no_run_comparison_sees_reach_the_code_they_set(tmp_path, buil
     spy(model_py, "attention", "impl", "q")
     run = train.main(TINY + [
         "--image-size", "16", "--steps", "1", "--heads", "4", "--attn", "manual",
-        "--objective", "meanflow", "--mf-share", "0.5", "--mf-power", "0.7", "--mf-guidance", "1.5",
+        "--objective", "meanflow", "--mf-share", "0.5", "--mf-power", "0.7", "--mf-guidance", "3",
         "--cfg-drop", "1", "--moe", "4", "--topk", "1", "--shared-experts", "0",
         "--balance", "bias", "--bias-rate", "0.02", "--text-cache", "3", "--retries", "5",
         "--workers", "2", "--out", str(tmp_path),
@@ -2466,7 +2466,7 @@ def test_the_flags_no_run_comparison_sees_reach_the_code_they_set(tmp_path, buil
     assert seen["sample_t_r"] == [{"share": 0.5}]
     (loss,) = seen["meanflow_loss"]
     # --cfg-drop 1: every caption nulled
-    assert (loss["guidance"], loss["power"], loss["captioned"].any().item()) == (1.5, 0.7, False)
+    assert (loss["guidance"], loss["power"], loss["captioned"].any().item()) == (3, 0.7, False)
     assert seen["nudge_biases"] == [{"rate": 0.02}]
     assert seen["batches"] == [{"workers": 2, "retries": 5}]
     # 4 heads of 8 channels, written out
@@ -3772,7 +3772,7 @@ real_generate = flow.generate
 def test_contrastive_and_meanflow_train_the_same_however_the_global_batch_is_split(
     objective, tmp_path, builtin16, monkeypatch
 ):
-    """--contrast, and --objective meanflow (half its draws r < t, guidance 2 in the target), on
+    """--contrast, and --objective meanflow (half its draws r < t, guidance 1.5 in the target), on
     samples that differ: 1 process x 16, 1 x 2 micro-batches x 8 and 2 ranks x 8 (DDP; MeanFlow
     also DeepSpeed's ZeRO-2) log the same gradient norms and train the same weights, to float
     rounding. Pairing each sample with the previous one of its own micro-batch (roll) fails: the

@@ -88,7 +88,7 @@ def get_parser():
         help="meanflow: share of (r, t) draws with r < t (the rest: r = t, v's target)")
     add("--mf-power", type=float, default=0.5,
         help="meanflow: adaptive loss weight 1 / (loss + c)^p (0: the plain loss; the paper's: 1)")
-    add("--mf-guidance", type=float, default=2.0,
+    add("--mf-guidance", type=float, default=1.5,
         help="meanflow: guidance scale trained into the target (1: none)")
     add("--cfg-drop", type=float, default=0.1,
         help="probability of the null caption (for guidance)")
